@@ -1,0 +1,279 @@
+"""The float64 oracle: slow, per sequence and per query token, written from the math of SPEC.md.
+
+Nothing here calls a fast path. Every function returns float64 tensors; the
+``reference`` backend (bottom of this file) casts them to the caller's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cache import CacheBatch
+from .masks import MaskVariant
+
+F64 = torch.float64
+
+
+# Cache addressing ------------------------------------------------------------------
+def physical_rows(batch: CacheBatch, b: int, positions: torch.Tensor) -> torch.Tensor:
+    """Physical row (``page * page_size + offset``) of logical positions of sequence ``b``."""
+    positions = positions.long().cpu()
+    pages = batch.block_table[b].long().cpu()[positions // batch.page_size]
+    return pages * batch.page_size + positions % batch.page_size
+
+
+def cache_rows(batch: CacheBatch, layer_idx: int, rows: torch.Tensor) -> torch.Tensor:
+    """Cache entries ``[n, L+R]`` (float64) at physical rows."""
+    flat = batch.blocks[layer_idx].reshape(-1, batch.head_dim)
+    return flat[rows.to(flat.device).long()].cpu().to(F64)
+
+
+def _query_keys(
+    batch: CacheBatch,
+    b: int,
+    q_pos: int,
+    row: int,
+    mask: MaskVariant,
+    sparse_indices: torch.Tensor | None,
+    topk_lengths: torch.Tensor | None,
+    physical_indices: bool,
+) -> torch.Tensor:
+    """Physical cache rows of the keys one query attends to (a repeated sparse entry counts twice)."""
+    seq_len = batch.seq_lens_list[b]
+    if sparse_indices is None:
+        pos = torch.arange(seq_len)
+    else:
+        entries = sparse_indices[row].long().cpu()
+        if topk_lengths is not None:
+            entries = entries[: int(topk_lengths[b])]
+        entries = entries[entries >= 0]
+        if physical_indices:
+            return entries  # physical rows: no positions, so the mask does not apply
+        pos = entries
+    pos = pos[mask.visible(torch.tensor(q_pos), pos)]
+    return physical_rows(batch, b, pos)
+
+
+def _sink_of(attn_sink: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    if attn_sink is None:
+        return None
+    s = attn_sink.cpu().to(F64)
+    return s if s.dim() == 1 else s[b]
+
+
+def softmax_combine(scores: torch.Tensor, values: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token: ``scores [H, n]``, ``values [H, n, D]`` (or ``[n, D]``), ``sink [H]``.
+
+    Returns ``out [H, D]`` = sum_s e^{score} v / (e^{sink} + sum_s e^{score}) and
+    ``lse [H]`` = log sum_s e^{score} (without the sink); no key gives zeros and -inf.
+    """
+    H = scores.shape[0]
+    D = values.shape[-1]
+    if scores.shape[1] == 0:
+        return torch.zeros(H, D, dtype=F64), torch.full((H,), -math.inf, dtype=F64)
+    m = scores.max(dim=1, keepdim=True).values
+    p = torch.exp(scores - m)
+    denom = p.sum(dim=1)
+    lse = m.squeeze(1) + torch.log(denom)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m.squeeze(1))
+    if values.dim() == 2:
+        out = p @ values
+    else:
+        out = torch.einsum("hn,hnd->hd", p, values)
+    return out / denom[:, None], lse
+
+
+def _query_positions(batch: CacheBatch) -> list[tuple[int, int, int]]:
+    """(row, sequence, position) of every query token of the ragged batch."""
+    out = []
+    offs = batch.offsets_list
+    for b, c in enumerate(batch.cache_lengths_list):
+        for i in range(offs[b + 1] - offs[b]):
+            out.append((offs[b] + i, b, c + i))
+    return out
+
+
+# The two forms ---------------------------------------------------------------------
+def decode(
+    q_abs: torch.Tensor,
+    batch: CacheBatch,
+    layer_idx: int,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    mask: MaskVariant = MaskVariant(),
+    sparse_indices: torch.Tensor | None = None,
+    topk_lengths: torch.Tensor | None = None,
+    physical_indices: bool = True,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode (absorbed, MQA) form: ``q_abs [T, H, L+R]`` against raw cache rows.
+
+    Returns ``out_lat [T, H, L]`` and ``lse [T, H]`` (float64).
+    """
+    T, H, _ = q_abs.shape
+    q = q_abs.cpu().to(F64)
+    out = torch.zeros(T, H, kv_lora_rank, dtype=F64)
+    lse = torch.full((T, H), -math.inf, dtype=F64)
+    for row, b, pos in _query_positions(batch):
+        rows = _query_keys(batch, b, pos, row, mask, sparse_indices, topk_lengths, physical_indices)
+        keys = cache_rows(batch, layer_idx, rows)  # [n, L+R]
+        scores = scale * (q[row] @ keys.T)  # [H, n]
+        out[row], lse[row] = softmax_combine(scores, keys[:, :kv_lora_rank], _sink_of(attn_sink, b))
+    return out, lse
+
+
+def prefill(
+    q: torch.Tensor,
+    batch: CacheBatch,
+    layer_idx: int,
+    w_k: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float,
+    mask: MaskVariant = MaskVariant(),
+    sparse_indices: torch.Tensor | None = None,
+    topk_lengths: torch.Tensor | None = None,
+    physical_indices: bool = True,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill (up-projected, MHA) form: ``q [T, H, Dn+R]`` (rope part already rotated).
+
+    ``K_nope[s,h] = W_UK[h] latent[s]``, ``V[s,h] = W_UV[h] latent[s]``. Returns ``out [T, H, Dv]``
+    and ``lse [T, H]`` (float64).
+    """
+    T, H, _ = q.shape
+    Dv, L = w_uv.shape[1], w_uv.shape[2]
+    Dn = w_k.shape[0] // H
+    W_UK = w_k.cpu().to(F64).reshape(H, Dn, L)
+    W_UV = w_uv.cpu().to(F64)
+    qf = q.cpu().to(F64)
+    out = torch.zeros(T, H, Dv, dtype=F64)
+    lse = torch.full((T, H), -math.inf, dtype=F64)
+    for row, b, pos in _query_positions(batch):
+        rows = _query_keys(batch, b, pos, row, mask, sparse_indices, topk_lengths, physical_indices)
+        entries = cache_rows(batch, layer_idx, rows)
+        latent, k_rope = entries[:, :L], entries[:, L:]
+        k_nope = torch.einsum("hdl,nl->hnd", W_UK, latent)  # [H, n, Dn]
+        v = torch.einsum("hdl,nl->hnd", W_UV, latent)  # [H, n, Dv]
+        scores = scale * (torch.einsum("hd,hnd->hn", qf[row, :, :Dn], k_nope) + qf[row, :, Dn:] @ k_rope.T)
+        out[row], lse[row] = softmax_combine(scores, v, _sink_of(attn_sink, b))
+    return out, lse
+
+
+def flare_mla_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    buffer_row_offsets: torch.Tensor,
+    cache_offsets: torch.Tensor,
+    batch: CacheBatch,
+    layer_idx: int,
+    *,
+    scale: float,
+    mask: MaskVariant = MaskVariant(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of prefill with given up-projected keys: ``k [S, H, Dn]``, ``v [S, H, Dv]``.
+
+    Rows ``buffer_row_offsets[b]:[b+1]`` of k/v are the keys of sequence ``b`` at positions
+    ``cache_offsets[b] + j``; their rope part comes from the cache. Returns float64
+    ``out [T, H, Dv]`` and ``lse [T, H]`` over this chunk's keys only.
+    """
+    T, H, _ = q.shape
+    Dn, Dv = k.shape[2], v.shape[2]
+    qf, kf, vf = q.cpu().to(F64), k.cpu().to(F64), v.cpu().to(F64)
+    L = batch.head_dim - (q.shape[2] - Dn)
+    bro = [int(x) for x in buffer_row_offsets.tolist()]
+    co = [int(x) for x in cache_offsets.tolist()]
+    out = torch.zeros(T, H, Dv, dtype=F64)
+    lse = torch.full((T, H), -math.inf, dtype=F64)
+    for row, b, pos in _query_positions(batch):
+        key_pos = co[b] + torch.arange(bro[b + 1] - bro[b])
+        sel = mask.visible(torch.tensor(pos), key_pos)
+        buf = (bro[b] + torch.arange(bro[b + 1] - bro[b]))[sel]
+        k_rope = cache_rows(batch, layer_idx, physical_rows(batch, b, key_pos[sel]))[:, L:]
+        scores = scale * (torch.einsum("hd,nhd->hn", qf[row, :, :Dn], kf[buf]) + qf[row, :, Dn:] @ k_rope.T)
+        out[row], lse[row] = softmax_combine(scores, vf[buf].transpose(0, 1), None)
+    return out, lse
+
+
+# Cache write and the fused op ------------------------------------------------------
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> torch.Tensor:
+    x = x.to(F64)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon) * gamma.to(F64)
+
+
+def rope(x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """RoPE in float64, straight from the pair formula (``x [T, ..., R]``)."""
+    fc = freqs_cis.cpu().to(F64)[positions.long()]
+    c, s = fc[:, 0::2], fc[:, 1::2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (c.shape[1],)
+    c, s = c.reshape(shape), s.reshape(shape)
+    x = x.cpu().to(F64)
+    R = x.shape[-1]
+    idx_a = torch.arange(0, R, 2) if interleaved else torch.arange(R // 2)
+    idx_b = idx_a + 1 if interleaved else idx_a + R // 2
+    out = x.clone()
+    out[..., idx_a] = x[..., idx_a] * c - x[..., idx_b] * s
+    out[..., idx_b] = x[..., idx_a] * s + x[..., idx_b] * c
+    return out
+
+
+def token_positions(batch: CacheBatch) -> torch.Tensor:
+    """Position of every new token of the batch, ``[T]`` int64."""
+    return torch.tensor([pos for _, _, pos in _query_positions(batch)], dtype=torch.int64)
+
+
+def write_cache(
+    kv: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    batch: CacheBatch,
+    layer_idx: int,
+    epsilon: float,
+    interleaved: bool = True,
+) -> None:
+    """RMSNorm the latent, rotate the key rope part, store both at each token's position."""
+    L = kv_norm_gamma.shape[0]
+    pos = token_positions(batch)
+    entry = torch.cat([rms_norm(kv[:, :L].cpu(), kv_norm_gamma.cpu(), epsilon), rope(kv[:, L:], freqs_cis, pos, interleaved)], dim=-1)
+    rows = torch.cat([physical_rows(batch, b, torch.arange(c, c + n)) for b, (c, n) in enumerate(zip(batch.cache_lengths_list, batch.new_tokens_list))] or [torch.zeros(0, dtype=torch.long)])
+    flat = batch.blocks[layer_idx].view(-1, batch.head_dim)
+    flat[rows.to(flat.device)] = entry.to(flat.dtype).to(flat.device)
+
+
+def mla_prefill_decode_graph(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    batch: CacheBatch,
+    layer_idx: int,
+    w_k: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float,
+    epsilon: float = 1e-6,
+    mask: MaskVariant = MaskVariant(),
+    sparse_indices: torch.Tensor | None = None,
+    topk_lengths: torch.Tensor | None = None,
+    physical_indices: bool = True,
+    attn_sink: torch.Tensor | None = None,
+    interleaved: bool = True,
+    use_decode_form: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused op in float64: write the cache, rotate q, then either form. ``out [T,H,Dv]``, ``lse``."""
+    write_cache(kv, freqs_cis, kv_norm_gamma, batch, layer_idx, epsilon, interleaved)
+    H, L, Dn = w_uk.shape
+    qf = q.cpu().to(F64)
+    q_rot = torch.cat([qf[..., :Dn], rope(qf[..., Dn:], freqs_cis, token_positions(batch), interleaved)], dim=-1)
+    common = dict(scale=scale, mask=mask, sparse_indices=sparse_indices, topk_lengths=topk_lengths, physical_indices=physical_indices, attn_sink=attn_sink)
+    if use_decode_form:
+        q_lat = torch.einsum("thd,hld->thl", q_rot[..., :Dn], w_uk.cpu().to(F64))
+        out_lat, lse = decode(torch.cat([q_lat, q_rot[..., Dn:]], dim=-1), batch, layer_idx, kv_lora_rank=L, **common)
+        return torch.einsum("thl,hvl->thv", out_lat, w_uv.cpu().to(F64)), lse
+    return prefill(q_rot, batch, layer_idx, w_k, w_uv, **common)
