@@ -35,7 +35,7 @@ def load_backend(name: str) -> ModuleType:
     if name == "reference":
         from . import reference_backend as mod
     elif name == "torch":
-        from . import torch_cpu as mod
+        from . import torch_cpu as mod  # a package: cache_write, decode, prefill
     else:
         try:
             from .triton import api as mod
