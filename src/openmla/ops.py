@@ -258,7 +258,9 @@ def flare_mla_decode(
     """
     dev = check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES).device
     T, H, D = q.shape
-    check_cache_batch(kv_collection, layer_idx, dev, head_dim=D)
+    check_cache_batch(kv_collection, layer_idx, dev)
+    if D != kv_collection.head_dim:
+        raise ValueError(f"q: depth {D} must equal the cache entry width {kv_collection.head_dim} (L+R)")
     check_int("kv_lora_rank", kv_lora_rank, 1, D)
     offs = check_offsets("kv_collection.input_row_offsets", kv_collection.input_row_offsets, T, dev)
     scale, variant = check_attention_common(
