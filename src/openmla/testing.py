@@ -1,0 +1,122 @@
+"""Random MLA problems: used by the test-suite and by ``openmla check``.
+
+``make_case`` builds a paged cache whose pages are handed out in a shuffled order (so a
+wrong page-table lookup shows), fills the cached prefix with random entries, and draws
+q, kv and weights. Sizes are small so the float64 reference stays quick.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CacheBatch, PagedLatentCache
+from .config import MLAConfig
+from .rope import rope_freqs_cis
+
+
+@dataclass
+class Case:
+    config: MLAConfig
+    cache: PagedLatentCache
+    batch: CacheBatch
+    q: torch.Tensor  # [T, H, Dn+R]
+    kv: torch.Tensor  # [T, L+R]
+    freqs_cis: torch.Tensor
+    gamma: torch.Tensor
+    w_k: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    layer_idx: int
+    seed: int
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        return self.config.softmax_scale
+
+    def fused_args(self):
+        """Positional arguments of ``mla_prefill_decode_graph``."""
+        return (self.q, self.kv, self.batch.input_row_offsets, self.freqs_cis, self.gamma, self.batch,
+                self.layer_idx, self.w_k, self.w_uk, self.w_uv)
+
+    def clone_cache(self) -> "Case":
+        """The same case with its own copy of the cache storage (for running two backends)."""
+        blocks = self.cache.blocks.clone()
+        b = self.batch
+        batch = CacheBatch(blocks, b.block_table.clone(), b.cache_lengths.clone(), b.input_row_offsets.clone(), b.page_size, b.seq_ids)
+        return Case(self.config, self.cache, batch, self.q, self.kv, self.freqs_cis, self.gamma, self.w_k, self.w_uk,
+                    self.w_uv, self.layer_idx, self.seed, dict(self.extras))
+
+
+def small_config(num_heads: int = 4, L: int = 64, R: int = 16, Dn: int = 32, Dv: int = 32) -> MLAConfig:
+    return MLAConfig(num_heads=num_heads, kv_lora_rank=L, qk_rope_head_dim=R, qk_nope_head_dim=Dn, v_head_dim=Dv,
+                     q_lora_rank=None, hidden_size=64)
+
+
+def make_case(
+    cache_lens: list[int],
+    new_lens: list[int],
+    *,
+    config: MLAConfig | None = None,
+    page_size: int = 16,
+    num_layers: int = 2,
+    layer_idx: int = 1,
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    spare_pages: int = 3,
+) -> Case:
+    """A ragged batch: sequence ``b`` has ``cache_lens[b]`` cached tokens and ``new_lens[b]`` new ones.
+
+    The cache is prepared (pages reserved) but this call's tokens are not yet written.
+    """
+    if seed is None:
+        seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    cfg = config or small_config()
+    H, L, R, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    pages_needed = sum(-(-(c + n) // page_size) for c, n in zip(cache_lens, new_lens))
+    num_pages = pages_needed + spare_pages
+    cache = PagedLatentCache(num_layers, num_pages, page_size=page_size, head_dim=L + R, dtype=dtype)
+    # Hand pages out in a shuffled order so sequences own scattered, non-monotonic pages.
+    order = list(range(num_pages))
+    rng.shuffle(order)
+    cache.allocator._free = order
+    cache.blocks.copy_((torch.randn(cache.blocks.shape, generator=g)).to(dtype))
+    ids = [f"s{i}" for i in range(len(cache_lens))]
+    if any(cache_lens):
+        pre = cache.prepare(ids, cache_lens)
+        cache.commit(pre)
+    batch = cache.prepare(ids, new_lens)
+    T = sum(new_lens)
+    max_pos = max([c + n for c, n in zip(cache_lens, new_lens)] + [1])
+    w = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(dtype)  # noqa: E731
+    w_k = w(H * Dn, L, s=L**-0.5)
+    return Case(
+        config=cfg,
+        cache=cache,
+        batch=batch,
+        q=w(T, H, Dn + R),
+        kv=w(T, L + R),
+        freqs_cis=rope_freqs_cis(cfg, max_pos + 8),
+        gamma=(1.0 + 0.1 * torch.randn(L, generator=g)).to(dtype),
+        w_k=w_k,
+        w_uk=w_k.reshape(H, Dn, L).transpose(1, 2).contiguous(),
+        w_uv=w(H, Dv, L, s=L**-0.5),
+        layer_idx=layer_idx,
+        seed=seed,
+    )
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(|want|, tiny); NaN anywhere gives inf so it never passes."""
+    got, want = got.double().cpu(), want.double().cpu()
+    if torch.isnan(got).any() or torch.isnan(want).any():
+        return float("inf")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)) if want.numel() else 0.0
+
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 5e-3}
