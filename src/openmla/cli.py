@@ -1,0 +1,152 @@
+"""``openmla demo | check | bench``: the main job, a smoke test for a new machine, the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .config import PRESETS, preset
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+console = Console()
+
+
+def _si(x: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+# demo --------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    cfg = preset(args.preset, args.heads)
+    dtype = DTYPES[args.dtype]
+    console.print(f"[bold]openmla demo[/]: {cfg.name} attention layer, {cfg.num_heads} heads "
+                  f"(L={cfg.kv_lora_rank}, R={cfg.qk_rope_head_dim}, Dn={cfg.qk_nope_head_dim}, Dv={cfg.v_head_dim}, "
+                  f"hidden={cfg.hidden_size}), {args.dtype}, page {args.page_size}, {torch.get_num_threads()} threads")
+    console.print(f"serving {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, "
+                  f"{args.gen_min}-{args.gen_max} generated, at most {args.max_running} running")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task("requests done", total=args.requests, status="")
+
+        def on_step(kind: str, finished: int, running: int) -> None:
+            progress.update(task, completed=finished, status=f"{kind:7s} running={running}")
+
+        report = run_demo(cfg, num_requests=args.requests, max_running=args.max_running,
+                          prompt_range=(args.prompt_min, args.prompt_max), gen_range=(args.gen_min, args.gen_max),
+                          page_size=args.page_size, num_pages=args.num_pages, dtype=dtype, backend=args.backend,
+                          seed=args.seed, check=not args.no_check, on_step=on_step)
+    peak = report.matmul_flops_per_s
+    table = Table(title=f"openmla demo — backend {report.backend}, {args.dtype}, {cfg.num_heads} heads")
+    for col in ("phase", "tokens", "steps", "seconds", "tokens/s", "achieved", "of matmul rate"):
+        table.add_column(col, justify="right" if col != "phase" else "left")
+    for name, st in (("prefill", report.prefill), ("decode", report.decode)):
+        table.add_row(name, str(st.tokens), str(st.steps), f"{st.seconds:.2f}", f"{st.tokens_per_s:,.0f}",
+                      _si(st.flops_per_s, "FLOP/s"), f"{st.flops_per_s / peak:.2f}")
+    console.print(table)
+    facts = Table(show_header=False, box=None)
+    facts.add_row("bf16 matmul rate (2048^3, this run)" if dtype == torch.bfloat16 else "matmul rate (2048^3, this run)", _si(peak, "FLOP/s"))
+    facts.add_row("requests served", str(report.requests))
+    facts.add_row("cache pages", f"peak {report.peak_pages} of {report.num_pages} (page {report.page_size}), "
+                  f"{report.pages_in_use_at_end} in use at the end")
+    if report.check_error is not None:
+        tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        verdict = "[green]pass[/]" if report.check_error <= tol else "[red]FAIL[/]"
+        facts.add_row("check vs float64 reference", f"{report.check_what}: max rel err {report.check_error:.2e} "
+                      f"(tolerance {tol:g}) {verdict}")
+    facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
+    console.print(facts)
+    if report.check_error is not None and report.check_error > (2e-2 if dtype != torch.float32 else 1e-4):
+        return 1
+    return 0
+
+
+# check -------------------------------------------------------------------------------
+def _available_backends() -> list[tuple[str, str]]:
+    """(backend, why-not) pairs: why-not is empty when the backend can run here."""
+    out = [("torch", "")]
+    try:
+        import triton  # noqa: F401
+
+        if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+            out.append(("triton", ""))
+        else:
+            out.append(("triton", "no CUDA device (set TRITON_INTERPRET=1 to run it on the CPU, slowly)"))
+    except ImportError:
+        out.append(("triton", "triton is not installed (pip install 'openmla[triton]')"))
+    return out
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import run_checks
+
+    table = Table(title="openmla check — each backend against the float64 reference")
+    for col in ("backend", "case", "dtype", "max rel err", "tolerance", "result"):
+        table.add_column(col)
+    failures = 0
+    for backend, why_not in _available_backends():
+        if args.backend and backend != args.backend:
+            continue
+        if why_not:
+            table.add_row(backend, "—", "—", "—", "—", f"[yellow]skipped[/]: {why_not}")
+            continue
+        for row in run_checks(backend, seed=args.seed, quick=backend == "triton" and not torch.cuda.is_available()):
+            ok = row.error <= row.tolerance
+            failures += not ok
+            table.add_row(backend, row.case, row.dtype, f"{row.error:.1e}", f"{row.tolerance:g}",
+                          "[green]pass[/]" if ok else f"[red]FAIL[/] {row.note}")
+    console.print(table)
+    console.print(f"{'all checks passed' if not failures else f'{failures} checks failed'}")
+    return 1 if failures else 0
+
+
+# entry point --------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openmla", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="serve a stream of requests through one MLA layer (continuous batching)")
+    d.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    d.add_argument("--heads", type=int, default=16, help="query heads in this shard (default 16: V3 over TP=8)")
+    d.add_argument("--requests", type=int, default=24)
+    d.add_argument("--max-running", type=int, default=8, help="batch limit of running sequences")
+    d.add_argument("--prompt-min", type=int, default=64)
+    d.add_argument("--prompt-max", type=int, default=768)
+    d.add_argument("--gen-min", type=int, default=8)
+    d.add_argument("--gen-max", type=int, default=48)
+    d.add_argument("--page-size", type=int, default=64)
+    d.add_argument("--num-pages", type=int, default=None, help="page pool size (default: a tight pool)")
+    d.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    d.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("check", help="run each available backend against the reference on random cases")
+    c.add_argument("--backend", default=None, choices=["torch", "triton"])
+    c.add_argument("--seed", type=int, default=None)
+    c.set_defaults(func=cmd_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The main job: one DeepSeek-shaped attention layer serving a stream of requests.
+
+Continuous batching on the paged latent cache: requests arrive with prompts of varied
+lengths, are admitted while the page pool and the batch limit allow, prefilled as one
+ragged batch, then decoded one token per step together with every running request;
+finished requests free their pages for the next ones. There is no model around the
+layer, so hidden states are random; the attention work, cache traffic and scheduling
+are the real thing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .cache import CacheBatch, CacheFullError, PagedLatentCache
+from .config import MLAConfig
+from .flops import fused_op_flops, projection_flops
+from .layer import LatentAttention
+from .ops import DECODE_MAX_Q_LEN
+from .timing import matmul_rate
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_len: int
+    gen_len: int
+    generated: int = 0
+
+
+@dataclass
+class PhaseStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    flops: int = 0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float, flops: int) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.flops += flops
+        self.steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class DemoReport:
+    config: MLAConfig
+    backend: str
+    dtype: torch.dtype
+    matmul_flops_per_s: float
+    prefill: PhaseStats = field(default_factory=PhaseStats)
+    decode: PhaseStats = field(default_factory=PhaseStats)
+    requests: int = 0
+    peak_pages: int = 0
+    pages_in_use_at_end: int = 0
+    num_pages: int = 0
+    page_size: int = 0
+    check_error: float | None = None
+    check_what: str = ""
+    wall_seconds: float = 0.0
+
+
+def _init_weights(layer: LatentAttention, seed: int) -> None:
+    """Random weights with unit-variance activations (std 1/sqrt(fan_in)); norms at 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    layer.split_kv_b()
+
+
+def _reference_check(layer: LatentAttention, hidden: torch.Tensor, batch: CacheBatch, layer_out: torch.Tensor) -> float:
+    """Re-run one step with the float64 reference backend on a copy of the cache; relative error."""
+    blocks = batch.blocks.clone()
+    # The step already wrote its tokens; writing them again from the same input is idempotent.
+    copy = CacheBatch(blocks, batch.block_table, batch.cache_lengths, batch.input_row_offsets, batch.page_size, batch.seq_ids)
+    saved = layer.backend
+    layer.backend = "reference"
+    try:
+        want = layer(hidden, copy).double()
+    finally:
+        layer.backend = saved
+    got = layer_out.double()
+    if torch.isnan(got).any():
+        return float("inf")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def run_demo(
+    config: MLAConfig,
+    *,
+    num_requests: int = 24,
+    max_running: int = 8,
+    prompt_range: tuple[int, int] = (64, 768),
+    gen_range: tuple[int, int] = (8, 48),
+    page_size: int = 64,
+    num_pages: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+    seed: int = 0,
+    check: bool = True,
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> DemoReport:
+    """Serve ``num_requests`` requests; ``on_step(kind, finished, running)`` reports progress."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    layer = LatentAttention(config, 0, dtype=dtype, backend=backend, max_position=prompt_range[1] + gen_range[1] + 1)
+    _init_weights(layer, seed)
+    longest = prompt_range[1] + gen_range[1]
+    if num_pages is None:
+        # Room for about half the batch limit at full length: admission control has work to do.
+        num_pages = max(-(-longest // page_size) * max(2, max_running // 2 + 1), -(-longest // page_size) + 1)
+    cache = PagedLatentCache(1, num_pages, page_size, config.cache_head_dim, dtype)
+    waiting = deque(Request(i, rng.randint(*prompt_range), rng.randint(*gen_range)) for i in range(num_requests))
+    running: dict[int, Request] = {}
+    from .backends import resolve_backend_name
+
+    report = DemoReport(config, resolve_backend_name(backend, torch.device("cpu")), dtype, matmul_rate(dtype=dtype),
+                        num_pages=num_pages, page_size=page_size, requests=num_requests)
+    hidden_std = 1.0
+    t_start = time.perf_counter()
+    finished = 0
+
+    def step(ids: list[int], counts: list[int]) -> tuple[CacheBatch, torch.Tensor, torch.Tensor, float]:
+        batch = cache.prepare(ids, counts)
+        hidden = torch.randn(sum(counts), config.hidden_size, dtype=dtype) * hidden_std
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = layer(hidden, batch)
+        dt = time.perf_counter() - t0
+        report.peak_pages = max(report.peak_pages, cache.pages_in_use)
+        return batch, hidden, out, dt
+
+    while waiting or running:
+        # Admit as many waiting requests as the batch limit and the page pool allow.
+        admit: list[Request] = []
+        while waiting and len(running) + len(admit) < max_running:
+            cand = waiting[0]
+            need = -(-(cand.prompt_len + cand.gen_len) // page_size)  # reserve for its whole life
+            reserved = sum(-(-(r.prompt_len + r.gen_len) // page_size) for r in list(running.values()) + admit)
+            if reserved + need > num_pages:
+                break
+            admit.append(waiting.popleft())
+        if admit:
+            ids, counts = [r.rid for r in admit], [r.prompt_len for r in admit]
+            batch, hidden, out, dt = step(ids, counts)
+            decode_form = max(counts) <= DECODE_MAX_Q_LEN
+            flops = fused_op_flops(config, [0] * len(ids), counts, decode_form) + projection_flops(config, sum(counts))
+            report.prefill.add(sum(counts), dt, flops)
+            cache.commit(batch)
+            for r in admit:
+                r.generated = 1  # the prefill step yields the first token
+                running[r.rid] = r
+            if on_step:
+                on_step("prefill", finished, len(running))
+        if not running:
+            if waiting:
+                raise CacheFullError(f"request {waiting[0].rid} needs more pages than the pool has ({num_pages})")
+            break
+        ids = list(running)
+        cache_lens = [cache.length(i) for i in ids]
+        batch, hidden, out, dt = step(ids, [1] * len(ids))
+        flops = fused_op_flops(config, cache_lens, [1] * len(ids), True) + projection_flops(config, len(ids))
+        report.decode.add(len(ids), dt, flops)
+        if check and report.check_error is None and len(ids) >= 2:
+            report.check_error = _reference_check(layer, hidden, batch, out)
+            report.check_what = f"decode step of {len(ids)} sequences ({sum(cache_lens)} cached tokens)"
+        cache.commit(batch)
+        for rid in ids:
+            r = running[rid]
+            r.generated += 1
+            if r.generated >= r.gen_len:
+                cache.release(rid)
+                del running[rid]
+                finished += 1
+        if on_step:
+            on_step("decode", finished, len(running))
+    report.pages_in_use_at_end = cache.pages_in_use
+    report.wall_seconds = time.perf_counter() - t_start
+    return report
