@@ -1,4 +1,4 @@
-"""``openmla demo | check | bench``: the main job, a smoke test for a new machine, the benchmarks."""
+"""``openmla demo | bench | check``: the main job, a smoke test for a new machine, the benchmarks."""
 
 from __future__ import annotations
 
@@ -110,6 +110,29 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# bench -------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmarks import run_bench, save_results
+
+    dtype = DTYPES[args.dtype]
+    rows, peak = run_bench(preset_name=args.preset, heads=args.heads, contexts=args.contexts, batch=args.batch,
+                           page_size=args.page_size, dtype=dtype, backend=args.backend, baselines=not args.no_baselines,
+                           repeats=args.repeats, log=lambda s: console.print(s, highlight=False))
+    table = Table(title=f"openmla bench — {args.dtype}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
+    for col in ("phase", "impl", "heads", "context", "batch", "ms", "achieved", "of matmul", "openmla speed-up"):
+        table.add_column(col, justify="left" if col in ("phase", "impl") else "right")
+    ours = {(r.phase, r.heads, r.context): r.seconds for r in rows if r.impl.startswith("openmla")}
+    for r in rows:
+        mine = ours.get((r.phase, r.heads, r.context)) if not r.impl.startswith("openmla") else None
+        table.add_row(r.phase, r.impl, str(r.heads), str(r.context), str(r.batch), f"{r.seconds * 1e3:.2f}",
+                      _si(r.flops_per_s, "FLOP/s"), f"{r.flops_per_s / peak:.2f}",
+                      f"{r.seconds / mine:.1f}x" if mine else "")
+    console.print(table)
+    json_path, png_path = save_results(rows, peak, args.out, dtype)
+    console.print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (install matplotlib for the plot)"))
+    return 0
+
+
 # entry point --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openmla", description=__doc__)
@@ -131,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="decode and prefill over context lengths and head counts, with baselines")
+    b.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    b.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    b.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    b.add_argument("--batch", type=int, default=4, help="sequences per decode step")
+    b.add_argument("--page-size", type=int, default=64)
+    b.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    b.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-baselines", action="store_true")
+    b.add_argument("--out", default="bench/out", help="folder for bench.json and bench.png")
+    b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("check", help="run each available backend against the reference on random cases")
     c.add_argument("--backend", default=None, choices=["torch", "triton"])
