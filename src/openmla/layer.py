@@ -1,0 +1,361 @@
+"""The DeepSeek-V2/V3/Kimi-K2 attention layer on top of the fused MLA op.
+
+``LatentAttention`` holds the projections of one checkpoint layer under the Hugging Face
+names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``) and runs attention over the paged latent cache
+through ``openmla.mla_prefill_decode_graph``. ``kv_b_proj.weight`` is split once into the
+three layouts the op wants (``w_k``, ``w_uk``, ``w_uv``); any weight load re-splits it.
+
+Rotary layout: the rope dims are rotated as the checkpoint expects, interleaved pairs for
+DeepSeek's checkpoints (``rope_interleave`` true, the default, also Hugging Face's V2 model) and
+half-split pairs for a config with ``rope_interleave: false`` (Hugging Face's ``rotate_half``
+variant of V3). The cache keeps the rope part in that same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .cache import CacheBatch
+from .config import MLAConfig
+from .ops import mla_prefill_decode_graph
+from .rope import rope_freqs_cis
+
+# Options the layer sets itself; passing them through **attn_kwargs would be ambiguous.
+_RESERVED_KWARGS = frozenset({"scale", "epsilon", "rope_interleaved", "return_lse"})
+# "...layers.{i}.self_attn.{name}" with any model prefix (model., language_model.model., ...).
+_LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
+_DEFAULT_FP8_BLOCK = (128, 128)  # DeepSeek-V3 / Kimi-K2 ``weight_block_size``
+
+
+# RoPE tables shared by every layer of a model (one per rope setting and device) -----------
+_FREQS: dict[tuple, torch.Tensor] = {}
+
+
+def _rope_key(config: MLAConfig, device: torch.device) -> tuple:
+    return (config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, str(device))
+
+
+def shared_freqs_cis(config: MLAConfig, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A ``[>= rows, R]`` float32 table for ``config``'s rope, shared by every layer on ``device``.
+
+    Grown (by doubling) when a longer one is asked for, so 60 layers hold one table, not 60.
+    """
+    device = torch.device(device)
+    key = _rope_key(config, device)
+    table = _FREQS.get(key)
+    if table is None or table.shape[0] < rows:
+        have = 0 if table is None else table.shape[0]
+        size = max(rows, 2 * have)
+        table = rope_freqs_cis(config, size, device=device)
+        _FREQS[key] = table
+    return table
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32 (DeepSeek's norm)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> same shape and dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _linear(n_in: int, n_out: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False, dtype=dtype, device=device)
+
+
+def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = _DEFAULT_FP8_BLOCK) -> torch.Tensor:
+    """DeepSeek's block-quantised weight: ``weight [out, in]`` (fp8) times ``scale_inv
+    [ceil(out/b0), ceil(in/b1)]`` broadcast over ``b0 x b1`` tiles. Returns float32 ``[out, in]``."""
+    out_f, in_f = weight.shape
+    b0, b1 = block
+    want = (math.ceil(out_f / b0), math.ceil(in_f / b1))
+    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv: expected shape {want} for a {tuple(weight.shape)} weight in {b0}x{b1} blocks, "
+                         f"got {tuple(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(b0, 0)[:out_f].repeat_interleave(b1, 1)[:, :in_f]
+    return weight.float() * scale
+
+
+class LatentAttention(nn.Module):
+    """One MLA attention layer of DeepSeek-V2/V3/V3.2 or Kimi K2 (all query heads).
+
+    Parameters (Hugging Face names, ``[out, in]`` weights):
+    ``q_proj [H*(Dn+R), hidden]`` or, with ``q_lora_rank`` Q, ``q_a_proj [Q, hidden]``,
+    ``q_a_layernorm [Q]``, ``q_b_proj [H*(Dn+R), Q]``; ``kv_a_proj_with_mqa [L+R, hidden]``,
+    ``kv_a_layernorm [L]``, ``kv_b_proj [H*(Dn+Dv), L]``, ``o_proj [hidden, H*Dv]``.
+    Buffers (not saved): ``w_k [H*Dn, L]``, ``w_uk [H, L, Dn]``, ``w_uv [H, Dv, L]``.
+    """
+
+    def __init__(
+        self,
+        config: MLAConfig,
+        layer_idx: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+        max_position: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
+        if max_position is not None and (not isinstance(max_position, int) or max_position < 1):
+            raise ValueError(f"max_position: expected a positive int, got {max_position!r}")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.backend = backend
+        c = config
+        H, L, R, Dn, Dv = c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
+        q_out = H * (Dn + R)
+        if c.q_lora_rank is None:
+            self.q_proj = _linear(c.hidden_size, q_out, dtype, device)
+        else:
+            self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype=dtype, device=device)
+            self.q_b_proj = _linear(c.q_lora_rank, q_out, dtype, device)
+        self.kv_a_proj_with_mqa = _linear(c.hidden_size, L + R, dtype, device)
+        self.kv_a_layernorm = RMSNorm(L, c.rms_norm_eps, dtype=dtype, device=device)
+        self.kv_b_proj = _linear(L, H * (Dn + Dv), dtype, device)
+        self.o_proj = _linear(H * Dv, c.hidden_size, dtype, device)
+        for name, shape in (("w_k", (H * Dn, L)), ("w_uk", (H, L, Dn)), ("w_uv", (H, Dv, L))):
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.split_kv_b()
+        # torch's own load_state_dict must re-split too.
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.split_kv_b())
+        rows = max_position or min(c.max_position_embeddings, 4096)
+        self.freqs_cis = shared_freqs_cis(c, rows, device)
+
+    # Weights ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def split_kv_b(self) -> None:
+        """Refresh ``w_k``, ``w_uk``, ``w_uv`` from ``kv_b_proj.weight`` (call after editing it by hand).
+
+        Per head h, rows ``h*(Dn+Dv) : h*(Dn+Dv)+Dn`` are W_UK[h] ``[Dn, L]``, the next Dv rows W_UV[h].
+        """
+        c = self.config
+        H, L, Dn, Dv = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
+        w = self.kv_b_proj.weight.detach().reshape(H, Dn + Dv, L)
+        w_uk_rows, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
+        self.w_k = w_uk_rows.reshape(H * Dn, L).to(self.w_k.dtype).contiguous()
+        self.w_uk = w_uk_rows.transpose(1, 2).to(self.w_uk.dtype).contiguous()
+        self.w_uv = w_uv.to(self.w_uv.dtype).contiguous()
+
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Expected ``{hf_name: shape}`` of this layer's tensors (names without the layer prefix)."""
+        return {name: tuple(p.shape) for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        strict: bool = True,
+        *,
+        fp8_block_size: tuple[int, int] = _DEFAULT_FP8_BLOCK,
+    ) -> list[str]:
+        """Copy this layer's attention tensors from a Hugging Face DeepSeek/Kimi state dict.
+
+        Keys are either bare (``q_a_proj.weight``, optionally ``self_attn.``-prefixed) or full
+        (``model.layers.{i}.self_attn.q_a_proj.weight``, any model prefix); full keys of other
+        layers, and keys of this layer outside ``self_attn``, are skipped. Block-FP8 weights with
+        a ``weight_scale_inv`` are dequantised. Everything is checked before anything is copied:
+        a missing (when ``strict``), unexpected (when ``strict``) or mis-shaped tensor raises
+        ``ValueError`` and leaves the layer unchanged. Returns the names loaded.
+        """
+        tensors = self._select_layer_tensors(state_dict)
+        tensors = _dequantize(tensors, fp8_block_size)
+        expected = self.hf_param_shapes()
+        unexpected = sorted(set(tensors) - set(expected))
+        missing = sorted(set(expected) - set(tensors))
+        problems = []
+        if strict and missing:
+            problems.append(f"missing {missing}")
+        if strict and unexpected:
+            problems.append(f"unexpected {unexpected}")
+        for name in sorted(set(tensors) & set(expected)):
+            got = tuple(tensors[name].shape)
+            if got != expected[name]:
+                problems.append(f"{name} has shape {got}, expected {expected[name]}")
+        if problems:
+            raise ValueError(f"state_dict: layer {self.layer_idx} attention: " + "; ".join(problems))
+        params = dict(self.named_parameters())
+        loaded = sorted(set(tensors) & set(expected))
+        for name in loaded:
+            params[name].copy_(tensors[name].to(params[name].dtype))
+        self.split_kv_b()
+        return loaded
+
+    def _select_layer_tensors(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{name_within_self_attn: tensor}`` of this layer.
+
+        A dict with any ``...layers.{i}.self_attn.`` key is a whole-model dict: only this layer's
+        attention keys are taken. Otherwise every key is a bare name (``self_attn.`` optional).
+        """
+        whole_model = any(_LAYER_KEY.match(k) for k in state_dict)
+        out: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if whole_model:
+                m = _LAYER_KEY.match(key)
+                if m is None or int(m.group(1)) != self.layer_idx:
+                    continue
+                name = m.group(2)
+            else:
+                name = key.removeprefix("self_attn.")
+            if name.startswith("rotary_emb."):
+                continue  # old remote-code checkpoints may carry inv_freq; it is derived from the config
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
+            out[name] = value
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | os.PathLike,
+        layer_idx: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+        max_position: int | None = None,
+    ) -> "LatentAttention":
+        """Layer ``layer_idx`` of a Hugging Face checkpoint folder (``config.json`` plus
+        ``model.safetensors`` or sharded ``model.safetensors.index.json``); only that layer's
+        attention tensors are read."""
+        folder = os.fspath(folder)
+        hf_cfg = _read_json(os.path.join(folder, "config.json"), "folder")
+        config = MLAConfig.from_hf(hf_cfg)
+        layer = cls(config, layer_idx, dtype=dtype, device=device, backend=backend, max_position=max_position)
+        tensors = _read_layer_tensors(folder, layer_idx)
+        quant = hf_cfg.get("quantization_config") or {}
+        block = tuple(quant.get("weight_block_size") or _DEFAULT_FP8_BLOCK)
+        layer.load_hf_state_dict(tensors, strict=True, fp8_block_size=block)  # type: ignore[arg-type]
+        return layer
+
+    # Forward ---------------------------------------------------------------------------
+    def _freqs_for(self, batch: CacheBatch, device: torch.device) -> torch.Tensor:
+        """The shared rope table on ``device``, grown to cover every position of ``batch``."""
+        longest = max(batch.seq_lens_list, default=0)
+        table = self.freqs_cis
+        if table.device != device or table.shape[0] < longest:
+            table = shared_freqs_cis(self.config, max(longest, table.shape[0]), device)
+            self.freqs_cis = table
+        return table
+
+    def project_q(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [T, hidden]`` -> ``q [T, H, Dn+R]`` (before rope)."""
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        return q.view(hidden_states.shape[0], self.config.num_heads, self.config.qk_head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, kv_collection: CacheBatch, **attn_kwargs: Any) -> torch.Tensor:
+        """``hidden_states [T, hidden]`` (ragged rows of ``kv_collection``) -> ``[T, hidden]``.
+
+        Writes this layer's cache entries for the new tokens. ``attn_kwargs`` go to
+        ``mla_prefill_decode_graph`` (``mask``, ``window_size``, ``sparse_indices``, ``attn_sink``,
+        ``num_partitions``, ``buffer_size``, ``backend``, ...).
+        """
+        c = self.config
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != c.hidden_size:
+            shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+            raise ValueError(f"hidden_states: expected shape (T, {c.hidden_size}), got {shape}")
+        if not isinstance(kv_collection, CacheBatch):
+            raise ValueError(f"kv_collection: expected a CacheBatch, got {type(kv_collection).__name__}")
+        rows = kv_collection.offsets_list[-1] if kv_collection.offsets_list else 0
+        if hidden_states.shape[0] != rows:
+            raise ValueError(f"hidden_states: {hidden_states.shape[0]} rows, kv_collection has {rows} new tokens")
+        reserved = _RESERVED_KWARGS & set(attn_kwargs)
+        if reserved:
+            raise ValueError(f"attn_kwargs: {sorted(reserved)} are set by the layer (from its config)")
+        attn_kwargs.setdefault("backend", self.backend)
+        T = hidden_states.shape[0]
+        q = self.project_q(hidden_states)
+        kv = self.kv_a_proj_with_mqa(hidden_states)
+        out = mla_prefill_decode_graph(
+            q, kv, kv_collection.input_row_offsets, self._freqs_for(kv_collection, hidden_states.device),
+            self.kv_a_layernorm.weight, kv_collection, self.layer_idx, self.w_k, self.w_uk, self.w_uv,
+            scale=c.softmax_scale, epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, **attn_kwargs,
+        )  # [T, H, Dv]
+        return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim).to(self.o_proj.weight.dtype))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"layer_idx={self.layer_idx}, heads={c.num_heads}, kv_lora_rank={c.kv_lora_rank}, "
+                f"q_lora_rank={c.q_lora_rank}, rope={c.qk_rope_head_dim}, nope={c.qk_nope_head_dim}, v={c.v_head_dim}")
+
+
+# Checkpoint reading ---------------------------------------------------------------------
+def _dequantize(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Fold every ``X.weight_scale_inv`` into ``X.weight`` (float32); other tensors pass through."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        base = name[: -len("_scale_inv")]
+        if base not in out:
+            raise ValueError(f"state_dict: {name!r} has no matching {base!r}")
+        out[base] = dequant_block_fp8(out[base], out.pop(name), block)
+    for name, t in out.items():
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"state_dict: {name!r} is {t.dtype} without a weight_scale_inv")
+    return out
+
+
+def _read_json(path: str, arg: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"{arg}: {path!r} not found")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _layer_keys(keys: Iterable[str], layer_idx: int) -> list[str]:
+    """The ``...layers.{layer_idx}.self_attn.*`` keys among ``keys``."""
+    picked = []
+    for key in keys:
+        m = _LAYER_KEY.match(key)
+        if m is not None and int(m.group(1)) == layer_idx:
+            picked.append(key)
+    return picked
+
+
+def _read_layer_tensors(folder: str, layer_idx: int) -> dict[str, torch.Tensor]:
+    """This layer's attention tensors from ``model.safetensors`` or the shards an index names."""
+    from safetensors import safe_open  # optional dependency (openmla[hf])
+
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(index_path):
+        weight_map: dict[str, str] = _read_json(index_path, "folder")["weight_map"]
+        by_file: dict[str, list[str]] = {}
+        for key in _layer_keys(weight_map, layer_idx):
+            by_file.setdefault(weight_map[key], []).append(key)
+    elif os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            by_file = {"model.safetensors": _layer_keys(f.keys(), layer_idx)}
+    else:
+        raise ValueError(f"folder: no model.safetensors or model.safetensors.index.json in {folder!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for fname, keys in by_file.items():
+        with safe_open(os.path.join(folder, fname), framework="pt") as f:
+            for key in keys:
+                tensors[key] = f.get_tensor(key)
+    if not tensors:
+        raise ValueError(f"layer_idx: no 'layers.{layer_idx}.self_attn.*' tensors in {folder!r}")
+    return tensors
