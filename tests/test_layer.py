@@ -154,6 +154,7 @@ def test_load_with_and_without_prefix(prefix):
         sd[prefix.replace("self_attn.", "mlp.gate_proj.weight")] = torch.zeros(3, 3)
         sd["model.embed_tokens.weight"] = torch.zeros(10, 48)
         sd[prefix + "rotary_emb.inv_freq"] = torch.zeros(8)
+    sd[prefix + "indexer.wq_b.weight"] = torch.zeros(4, 24)  # DeepSeek-V3.2's indexer is not this module's
     layer = LatentAttention(cfg, 1, dtype=torch.float32)
     loaded = layer.load_hf_state_dict(sd)
     assert sorted(loaded) == sorted(HF_NAMES_QLORA)
@@ -268,11 +269,40 @@ def _whole_model(cfg: MLAConfig, num_layers: int = 3) -> dict[str, torch.Tensor]
     for i in range(num_layers):
         sd.update(random_hf_weights(cfg, seed=10 + i, prefix=f"model.layers.{i}.self_attn."))
         sd[f"model.layers.{i}.mlp.down_proj.weight"] = torch.randn(cfg.hidden_size, 8)
+        sd[f"model.layers.{i}.self_attn.indexer.wk.weight"] = torch.randn(8, cfg.hidden_size)
     return sd
 
 
+def _record_reads(monkeypatch) -> list[str]:
+    """Patch ``safetensors.safe_open`` to log every tensor read; returns the (live) log."""
+    import safetensors
+
+    real, read = safetensors.safe_open, []
+
+    class Logged:
+        def __init__(self, *args, **kwargs):
+            self._f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self._inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Logged)
+    return read
+
+
 @pytest.mark.parametrize("sharded", [False, True])
-def test_from_pretrained_reads_one_layer(tmp_path, sharded):
+def test_from_pretrained_reads_one_layer(tmp_path, monkeypatch, sharded):
     from safetensors.torch import save_file
 
     cfg = tiny_config()
@@ -288,7 +318,9 @@ def test_from_pretrained_reads_one_layer(tmp_path, sharded):
         (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     else:
         save_file(sd, str(tmp_path / "model.safetensors"))
+    read = _record_reads(monkeypatch)
     layer = LatentAttention.from_pretrained(tmp_path, 1, dtype=torch.float32, backend="reference")
+    assert sorted(read) == sorted(f"model.layers.1.self_attn.{n}" for n in HF_NAMES_QLORA)  # nothing else is read
     assert layer.config == cfg and layer.layer_idx == 1 and layer.backend == "reference"
     for name, p in layer.named_parameters():
         torch.testing.assert_close(p, sd[f"model.layers.1.self_attn.{name}"], rtol=0, atol=0)

@@ -33,6 +33,9 @@ _RESERVED_KWARGS = frozenset({"scale", "epsilon", "rope_interleaved", "return_ls
 # "...layers.{i}.self_attn.{name}" with any model prefix (model., language_model.model., ...).
 _LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
 _DEFAULT_FP8_BLOCK = (128, 128)  # DeepSeek-V3 / Kimi-K2 ``weight_block_size``
+# self_attn children that are not this layer's: V3.2's top-k indexer (it produces sparse_indices)
+# and the inv_freq some old remote-code checkpoints carry (derived from the config here).
+_NOT_OURS = ("indexer.", "rotary_emb.")
 
 
 # RoPE tables shared by every layer of a model (one per rope setting and device) -----------
@@ -174,7 +177,8 @@ class LatentAttention(nn.Module):
 
         Keys are either bare (``q_a_proj.weight``, optionally ``self_attn.``-prefixed) or full
         (``model.layers.{i}.self_attn.q_a_proj.weight``, any model prefix); full keys of other
-        layers, and keys of this layer outside ``self_attn``, are skipped. Block-FP8 weights with
+        layers, keys of this layer outside ``self_attn`` and DeepSeek-V3.2's ``self_attn.indexer.*``
+        (the top-k indexer, a separate module) are skipped. Block-FP8 weights with
         a ``weight_scale_inv`` are dequantised. Everything is checked before anything is copied:
         a missing (when ``strict``), unexpected (when ``strict``) or mis-shaped tensor raises
         ``ValueError`` and leaves the layer unchanged. Returns the names loaded.
@@ -218,8 +222,8 @@ class LatentAttention(nn.Module):
                 name = m.group(2)
             else:
                 name = key.removeprefix("self_attn.")
-            if name.startswith("rotary_emb."):
-                continue  # old remote-code checkpoints may carry inv_freq; it is derived from the config
+            if name.startswith(_NOT_OURS):
+                continue
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"state_dict: {key!r} is a {type(value).__name__}, not a tensor")
             out[name] = value
@@ -238,7 +242,8 @@ class LatentAttention(nn.Module):
     ) -> "LatentAttention":
         """Layer ``layer_idx`` of a Hugging Face checkpoint folder (``config.json`` plus
         ``model.safetensors`` or sharded ``model.safetensors.index.json``); only that layer's
-        attention tensors are read."""
+        attention tensors are read (block-FP8 ones dequantised with the config's
+        ``quantization_config.weight_block_size``)."""
         folder = os.fspath(folder)
         hf_cfg = _read_json(os.path.join(folder, "config.json"), "folder")
         config = MLAConfig.from_hf(hf_cfg)
@@ -330,7 +335,7 @@ def _layer_keys(keys: Iterable[str], layer_idx: int) -> list[str]:
     picked = []
     for key in keys:
         m = _LAYER_KEY.match(key)
-        if m is not None and int(m.group(1)) == layer_idx:
+        if m is not None and int(m.group(1)) == layer_idx and not m.group(2).startswith(_NOT_OURS):
             picked.append(key)
     return picked
 
