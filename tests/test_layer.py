@@ -217,6 +217,13 @@ def test_reload_resplits_kv_b():
         layer.kv_b_proj.weight.mul_(2.0)
     layer.split_kv_b()
     torch.testing.assert_close(layer.w_uv[2], 2.0 * sd3["kv_b_proj.weight"][80:96], rtol=0, atol=0)
+    # the layer pickles (torch.save of the module) and keeps its split
+    import io
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(again.w_uv, layer.w_uv, rtol=0, atol=0)
 
 
 def _quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

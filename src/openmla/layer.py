@@ -97,6 +97,11 @@ def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     return weight.float() * scale
 
 
+def _resplit_after_load(module: "LatentAttention", _incompatible_keys: Any) -> None:
+    """load_state_dict post hook (a module-level function, so the layer still pickles)."""
+    module.split_kv_b()
+
+
 class LatentAttention(nn.Module):
     """One MLA attention layer of DeepSeek-V2/V3/V3.2 or Kimi K2 (all query heads).
 
@@ -141,8 +146,7 @@ class LatentAttention(nn.Module):
         for name, shape in (("w_k", (H * Dn, L)), ("w_uk", (H, L, Dn)), ("w_uv", (H, Dv, L))):
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device), persistent=False)
         self.split_kv_b()
-        # torch's own load_state_dict must re-split too.
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.split_kv_b())
+        self.register_load_state_dict_post_hook(_resplit_after_load)  # torch's load_state_dict re-splits too
         rows = max_position or min(c.max_position_embeddings, 4096)
         self.freqs_cis = shared_freqs_cis(c, rows, device)
 
