@@ -1,0 +1,134 @@
+"""Cache write: RMSNorm + RoPE + paged scatter of a ragged batch, and q's RoPE, in one launch.
+
+Grid ``(T, cdiv(H, BLOCK_H))``: program ``(t, j)`` rotates the rope part of heads
+``j*BLOCK_H ...`` of token ``t`` (copying the nope part through), and program ``(t, 0)``
+also normalises ``kv[t]``'s latent, rotates its key rope part and stores the 576-wide
+entry at the token's physical cache row. Everything is computed in float32.
+
+RoPE pairs: interleaved ``(x[2i], x[2i+1])`` (DeepSeek) or half-split ``(x[i], x[i+R/2])``;
+either way pair ``i`` turns by ``(freqs_cis[p, 2i], freqs_cis[p, 2i+1]) = (cos, sin)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...cache import CacheBatch
+from . import _common
+from ._common import cast_to, find_sequence, next_pow2, physical_row, search_steps
+
+
+@triton.jit
+def _rope_pair_index(HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Indices ``(a, b)`` of the two members of each rotated pair, and the lane mask."""
+    i = tl.arange(0, BLOCK_HALF)
+    if INTERLEAVED:
+        a = 2 * i
+        b = 2 * i + 1
+    else:
+        a = i
+        b = i + HALF
+    return a, b, i < HALF
+
+
+@triton.jit
+def _cache_write_kernel(
+    q_ptr, q_out_ptr, kv_ptr, freqs_ptr, gamma_ptr, cache_ptr,
+    block_table_ptr, cache_lens_ptr, offsets_ptr,
+    num_seqs, num_heads, page_size, eps,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kvt, stride_freqs, stride_bt, stride_row,
+    L: tl.constexpr, R: tl.constexpr, DN: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr, STEPS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head_block = tl.program_id(1)
+    seq = find_sequence(offsets_ptr, t, num_seqs, STEPS)
+    pos = tl.load(cache_lens_ptr + seq) + t - tl.load(offsets_ptr + seq)
+
+    # cos/sin of this position, one per rotated pair.
+    a_idx, b_idx, pair_ok = _rope_pair_index(R // 2, BLOCK_HALF, INTERLEAVED)
+    pair = tl.arange(0, BLOCK_HALF)
+    freqs_row = freqs_ptr + pos.to(tl.int64) * stride_freqs
+    cos = tl.load(freqs_row + 2 * pair, mask=pair_ok, other=0.0).to(tl.float32)
+    sin = tl.load(freqs_row + 2 * pair + 1, mask=pair_ok, other=0.0).to(tl.float32)
+
+    # q: copy the nope part, rotate the rope part, for a block of heads.
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    o_row = q_out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    d = tl.arange(0, BLOCK_DN)
+    nope_ok = head_ok[:, None] & (d[None, :] < DN)
+    nope = tl.load(q_row + d[None, :], mask=nope_ok, other=0.0)
+    tl.store(o_row + d[None, :], nope, mask=nope_ok)
+    rope_ok = head_ok[:, None] & pair_ok[None, :]
+    qa = tl.load(q_row + DN + a_idx[None, :], mask=rope_ok, other=0.0).to(tl.float32)
+    qb = tl.load(q_row + DN + b_idx[None, :], mask=rope_ok, other=0.0).to(tl.float32)
+    out_ty = q_out_ptr.dtype.element_ty
+    tl.store(o_row + DN + a_idx[None, :], cast_to(qa * cos[None, :] - qb * sin[None, :], out_ty), mask=rope_ok)
+    tl.store(o_row + DN + b_idx[None, :], cast_to(qa * sin[None, :] + qb * cos[None, :], out_ty), mask=rope_ok)
+
+    if head_block == 0:
+        # Latent: x * rsqrt(mean(x^2) + eps) * gamma.
+        kv_row = kv_ptr + t.to(tl.int64) * stride_kvt
+        lane = tl.arange(0, BLOCK_L)
+        lane_ok = lane < L
+        x = tl.load(kv_row + lane, mask=lane_ok, other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + lane, mask=lane_ok, other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+        row = physical_row(block_table_ptr + seq.to(tl.int64) * stride_bt, pos, page_size, True)
+        dst = cache_ptr + row * stride_row
+        cache_ty = cache_ptr.dtype.element_ty
+        tl.store(dst + lane, cast_to(x * inv_rms * gamma, cache_ty), mask=lane_ok)
+        # Key rope part, rotated like q's.
+        ka = tl.load(kv_row + L + a_idx, mask=pair_ok, other=0.0).to(tl.float32)
+        kb = tl.load(kv_row + L + b_idx, mask=pair_ok, other=0.0).to(tl.float32)
+        tl.store(dst + L + a_idx, cast_to(ka * cos - kb * sin, cache_ty), mask=pair_ok)
+        tl.store(dst + L + b_idx, cast_to(ka * sin + kb * cos, cache_ty), mask=pair_ok)
+
+
+def write_cache(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    batch: CacheBatch,
+    layer_idx: int,
+    epsilon: float,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """Store ``kv [T, L+R]`` at each new token's cache row and return roped ``q [T, H, Dn+R]``.
+
+    ``freqs_cis [max_pos, R]`` (float32; float64 is narrowed), ``kv_norm_gamma [L]``. The
+    result has q's dtype; the cache ``batch.blocks[layer_idx]`` is written in place.
+    Launch needs no host value beyond tensor shapes (capturable in a CUDA graph).
+    """
+    _common.check_device(q)
+    T, H, QD = q.shape
+    L = kv_norm_gamma.shape[0]
+    R = kv.shape[1] - L
+    DN = QD - R
+    q_out = _common.empty((T, H, QD), q.dtype, q.device)
+    if T == 0:
+        return q_out
+    q = q.contiguous() if q.stride(2) != 1 else q
+    kv = kv.contiguous()
+    freqs = freqs_cis.to(torch.float32).contiguous()
+    layer, row_stride = _common.cache_layer(batch, layer_idx)
+    block_table = _common.as_index(batch.block_table)
+    BLOCK_H = min(16, triton.next_power_of_2(H))
+    grid = (T, triton.cdiv(H, BLOCK_H))
+    _cache_write_kernel[grid](
+        q, q_out, kv, freqs, kv_norm_gamma.contiguous(), layer,
+        block_table, _common.as_index(batch.cache_lengths), _common.as_index(batch.input_row_offsets),
+        batch.batch_size, H, batch.page_size, float(epsilon),
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), freqs.stride(0),
+        block_table.stride(0), row_stride,
+        L=L, R=R, DN=DN,
+        BLOCK_L=next_pow2(L, 1), BLOCK_HALF=next_pow2(R // 2, 1), BLOCK_DN=next_pow2(DN, 1), BLOCK_H=BLOCK_H,
+        INTERLEAVED=bool(interleaved), STEPS=search_steps(batch.batch_size),
+    )
+    return q_out

@@ -1,0 +1,225 @@
+"""Absorbed (MQA) MLA decode over the paged latent cache, split-KV.
+
+Every query head attends to the same 576-wide cache rows: the score of a key is
+``q_lat . latent + q_rope . k_rope`` (two dot products, 512 + 64 wide for DeepSeek) and its
+value is the latent itself, so each key tile is loaded once and used for both.
+
+Stage 1 (``_decode_split_kernel``), grid ``(cdiv(H, BLOCK_H), T, num_splits)``: a program
+takes one query token, a block of its heads and one slice of the keys that token sees, and
+writes that slice's normalised output and float32 LSE. Heads vary fastest in the grid so
+the programs sharing a token's key tiles run together and hit L2.
+Stage 2 (``merge.merge_parts``) folds the slices together and applies the attention sink.
+
+The keys a token sees: dense, the mask's contiguous range ``[lo, hi)`` of its sequence's
+positions (several new tokens per sequence are simply several rows, each with its own
+position, so multi-token decode is causal among them); sparse, the entries of its
+``sparse_indices`` row (up to ``topk_lengths[b]``, ``-1`` skipped), read as physical rows or
+as logical positions that must also lie in ``[lo, hi)``. A row with no visible key gives
+zeros and LSE ``-inf``.
+
+CUDA graphs: ``decode_into`` reads nothing from the host: the sequence of each row, its
+position and key range are computed in the kernel from the device ``input_row_offsets``,
+``cache_lengths`` and ``block_table`` (and ``topk_lengths``), and the grid depends only on
+T, H and ``num_splits``. With fixed-shape metadata tensors (padded ``block_table``), a fixed
+``num_splits`` and preallocated outputs/workspace, both launches can be captured and replayed
+after the metadata tensors are updated in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...masks import MaskVariant
+from . import _common
+from ._common import find_sequence, key_range, next_pow2, physical_row, search_steps
+from .merge import merge_parts
+
+SPARSE_NONE, SPARSE_PHYSICAL, SPARSE_LOGICAL = 0, 1, 2
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, cache_ptr, block_table_ptr, cache_lens_ptr, offsets_ptr, sparse_ptr, topk_ptr,
+    o_part_ptr, lse_part_ptr,
+    num_seqs, num_heads, num_splits, page_size, sm_scale_log2, window, chunk, sparse_width,
+    stride_qt, stride_qh, stride_row, stride_bt, stride_sparse_t,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    L: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr, STEPS: tl.constexpr,
+    DOT_T: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    t = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which sequence this row belongs to, its position, and the keys its mask shows.
+    seq = find_sequence(offsets_ptr, t, num_seqs, STEPS)
+    row_start = tl.load(offsets_ptr + seq)
+    cache_len = tl.load(cache_lens_ptr + seq)
+    kv_len = cache_len + tl.load(offsets_ptr + seq + 1) - row_start
+    q_pos = cache_len + t - row_start
+    lo, hi = key_range(q_pos, kv_len, MASK, window, chunk)
+    hi = tl.maximum(hi, lo)
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+
+    # The items this split walks: key positions (dense) or slots of the sparse row.
+    if SPARSE == 0:
+        first = lo
+        count = hi - lo
+    else:
+        first = lo * 0
+        count = first + sparse_width
+        if HAS_TOPK:
+            count = tl.minimum(count, tl.load(topk_ptr + seq))
+    per_split = tl.cdiv(tl.cdiv(count, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, first + count)
+
+    # This token's absorbed query for a block of heads, split into latent and rope parts.
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    dl = tl.arange(0, BLOCK_L)
+    dr = tl.arange(0, BLOCK_R)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + dl[None, :], mask=head_ok[:, None] & (dl[None, :] < L), other=0.0).to(DOT_T)
+    q_rope = tl.load(q_row + L + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    sparse_row = sparse_ptr + t.to(tl.int64) * stride_sparse_t
+    for n0 in range(start, end, BLOCK_N):
+        items = n0 + tl.arange(0, BLOCK_N)
+        in_split = items < end
+        if SPARSE == 0:
+            valid = in_split
+            rows = physical_row(table, items, page_size, valid)
+        elif SPARSE == 1:
+            idx = tl.load(sparse_row + items, mask=in_split, other=-1)
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+        else:
+            idx = tl.load(sparse_row + items, mask=in_split, other=-1)
+            valid = (idx >= lo) & (idx < hi)  # lo >= 0, so -1 slots fail too
+            rows = physical_row(table, tl.where(valid, idx, 0), page_size, valid)
+        key = cache_ptr + rows[:, None] * stride_row
+        k_lat = tl.load(key + dl[None, :], mask=valid[:, None] & (dl[None, :] < L), other=0.0).to(DOT_T)
+        k_rope = tl.load(key + L + dr[None, :], mask=valid[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
+
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))  # base-2 logits
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), k_lat, input_precision=PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    part = split.to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
+    tl.store(o_part_ptr + part + heads[:, None] * stride_ph + dl[None, :], out,
+             mask=head_ok[:, None] & (dl[None, :] < L))
+    tl.store(lse_part_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + heads, lse, mask=head_ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits still exercise the merge
+
+
+def default_num_splits(num_tokens: int, num_heads: int, max_keys: int, device: torch.device, block_h: int = 16) -> int:
+    """Split-KV heuristic: enough programs for ~2 waves over the SMs, each split >= 256 keys.
+
+    ``max_keys`` is the most keys one token sees (host value, e.g. from the batch's lists).
+    """
+    programs = max(1, num_tokens * triton.cdiv(num_heads, block_h))
+    want = triton.cdiv(2 * _num_sms(device), programs)
+    return int(max(1, min(want, triton.cdiv(max(max_keys, 1), 256), 64)))
+
+
+def decode_config(dtype: torch.dtype, device: torch.device) -> dict:
+    """Tile sizes and launch settings of stage 1 (BLOCK_H/BLOCK_N >= 16 for ``tl.dot``)."""
+    if device.type == "cuda":
+        wide = dtype in (torch.float32, torch.float64)
+        return dict(BLOCK_H=16, BLOCK_N=16 if wide else 32, num_warps=4, num_stages=1 if wide else 2)
+    return dict(BLOCK_H=16, BLOCK_N=16)
+
+
+def decode_into(
+    q: torch.Tensor,
+    cache_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    page_size: int,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    mask: MaskVariant = MaskVariant(),
+    sparse_indices: torch.Tensor | None = None,
+    topk_lengths: torch.Tensor | None = None,
+    physical_indices: bool = True,
+    attn_sink: torch.Tensor | None = None,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode without host reads (the CUDA-graph-capturable entry; no argument checks).
+
+    ``q [T, H, L+R]`` absorbed and roped; ``cache_layer [num_pages, page_size, L+R]``
+    (contiguous); ``block_table [B, max_pages]``, ``cache_lengths [B]``,
+    ``input_row_offsets [B+1]`` int32 on q's device; ``sparse_indices [T, stride]`` int32
+    (``topk_lengths [B]``). Returns ``out [T, H, L]`` (q's dtype unless ``out`` is given) and
+    float32 ``lse [T, H]``. ``workspace`` = (``o_part [S, T, H, L]``, ``lse_part [S, T, H]``)
+    float32 with ``S >= num_splits``.
+    """
+    T, H, D = q.shape
+    L, R = kv_lora_rank, D - kv_lora_rank
+    dev = q.device
+    out = out if out is not None else _common.empty((T, H, L), q.dtype, dev)
+    lse = lse if lse is not None else _common.empty((T, H), torch.float32, dev)
+    if workspace is None:
+        workspace = (_common.empty((num_splits, T, H, L), torch.float32, dev),
+                     _common.empty((num_splits, T, H), torch.float32, dev))
+    o_part, lse_part = workspace[0][:num_splits], workspace[1][:num_splits]
+    if T == 0:
+        return out, lse
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if sparse_indices is None:
+        sparse_mode, sparse = SPARSE_NONE, block_table  # unused pointer
+    else:
+        sparse_mode = SPARSE_PHYSICAL if physical_indices else SPARSE_LOGICAL
+        sparse = sparse_indices
+    mask_code, window, chunk = _common.mask_args(mask)
+    dot_t = _common.dot_dtype(q.dtype, cache_layer.dtype)
+    cfg = decode_config(cache_layer.dtype, dev)
+    block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
+    B = cache_lengths.shape[0]
+    grid = (triton.cdiv(H, block_h), T, num_splits)
+    _decode_split_kernel[grid](
+        q, cache_layer, block_table, cache_lengths, input_row_offsets, sparse,
+        topk_lengths if topk_lengths is not None else cache_lengths,
+        o_part, lse_part,
+        B, H, num_splits, page_size, float(scale) / math.log(2.0), window, chunk,
+        sparse.shape[1] if sparse_indices is not None else 0,
+        q.stride(0), q.stride(1), cache_layer.stride(1), block_table.stride(0),
+        sparse.stride(0) if sparse_indices is not None else 0,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=next_pow2(L), BLOCK_R=next_pow2(R),
+        MASK=mask_code, SPARSE=sparse_mode, HAS_TOPK=topk_lengths is not None, STEPS=search_steps(B),
+        DOT_T=dot_t, PRECISION=_common.dot_precision(dot_t), **cfg,
+    )
+    return merge_parts(o_part, lse_part, input_row_offsets, attn_sink=attn_sink, out=out, lse_out=lse)
