@@ -40,7 +40,7 @@ def test_prefill_form_equals_decode_form(mask, page_size):
 def test_sparse_forms_agree_and_respect_topk(physical):
     case = make_case([5, 30], [2, 3], dtype=F64, page_size=4, config=small_config(num_heads=2))
     g = torch.Generator().manual_seed(case.seed)
-    T, stride = 5, 6
+    stride = 6
     seq_of_row = [0, 0, 1, 1, 1]
     lens = case.batch.seq_lens_list
     idx = torch.stack([torch.randint(0, lens[b], (stride,), generator=g) for b in seq_of_row]).int()

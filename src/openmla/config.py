@@ -105,6 +105,8 @@ class MLAConfig:
         if rs:
             kind = rs.get("type", rs.get("rope_type"))
             if kind == "yarn":
+                if rs.get("factor") is None:
+                    raise ValueError("hf_config: rope_scaling of type yarn needs a factor")
                 scaling = YarnScaling(
                     factor=float(rs["factor"]),
                     original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),

@@ -206,7 +206,7 @@ def mla_prefill_decode_graph(
     if offs != kv_collection.offsets_list:
         raise ValueError("input_row_offsets: differs from kv_collection.input_row_offsets")
     check_tensor("w_uk", w_uk, shape=(H, L, Dn), dtypes=FLOAT_DTYPES, device=dev)
-    Dv = check_tensor("w_uv", w_uv, shape=(H, None, L), dtypes=FLOAT_DTYPES, device=dev).shape[1]
+    check_tensor("w_uv", w_uv, shape=(H, None, L), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("w_k", w_k, shape=(H * Dn, L), dtypes=FLOAT_DTYPES, device=dev)
     scale, variant = check_attention_common(
         q_rows=T, num_heads=H, batch=kv_collection, offsets=offs, scale=scale, mask=mask, window_size=window_size,

@@ -240,7 +240,8 @@ def write_cache(
     L = kv_norm_gamma.shape[0]
     pos = token_positions(batch)
     entry = torch.cat([rms_norm(kv[:, :L].cpu(), kv_norm_gamma.cpu(), epsilon), rope(kv[:, L:], freqs_cis, pos, interleaved)], dim=-1)
-    rows = torch.cat([physical_rows(batch, b, torch.arange(c, c + n)) for b, (c, n) in enumerate(zip(batch.cache_lengths_list, batch.new_tokens_list))] or [torch.zeros(0, dtype=torch.long)])
+    spans = zip(batch.cache_lengths_list, batch.new_tokens_list)
+    rows = torch.cat([physical_rows(batch, b, torch.arange(c, c + n)) for b, (c, n) in enumerate(spans)] or [torch.zeros(0, dtype=torch.long)])
     flat = batch.blocks[layer_idx].view(-1, batch.head_dim)
     flat[rows.to(flat.device)] = entry.to(flat.dtype).to(flat.device)
 
@@ -271,7 +272,8 @@ def mla_prefill_decode_graph(
     H, L, Dn = w_uk.shape
     qf = q.cpu().to(F64)
     q_rot = torch.cat([qf[..., :Dn], rope(qf[..., Dn:], freqs_cis, token_positions(batch), interleaved)], dim=-1)
-    common = dict(scale=scale, mask=mask, sparse_indices=sparse_indices, topk_lengths=topk_lengths, physical_indices=physical_indices, attn_sink=attn_sink)
+    common = dict(scale=scale, mask=mask, sparse_indices=sparse_indices, topk_lengths=topk_lengths,
+                  physical_indices=physical_indices, attn_sink=attn_sink)
     if use_decode_form:
         q_lat = torch.einsum("thd,hld->thl", q_rot[..., :Dn], w_uk.cpu().to(F64))
         out_lat, lse = decode(torch.cat([q_lat, q_rot[..., Dn:]], dim=-1), batch, layer_idx, kv_lora_rank=L, **common)
