@@ -8,11 +8,14 @@ sequence is the same physical page in every layer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
+
+from .fp8 import FP8, ds_mla_latent_rank, ds_mla_record_bytes, pack_ds_mla, quantize_e4m3, unpack_ds_mla
 
 
 class CacheFullError(RuntimeError):
@@ -49,6 +52,14 @@ class PageAllocator:
         self._free.extend(sorted(pages, reverse=True))
 
 
+def _select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)``, through a byte view for float8 (torch has no fp8 kernel)."""
+    index = index.to(t.device).long()
+    if t.dtype == FP8:
+        return t.view(torch.uint8).index_select(0, index).view(FP8)
+    return t.index_select(0, index)
+
+
 @dataclass
 class CacheBatch:
     """The view of the cache one forward call works on (the seeds' ``kv_collection``).
@@ -58,6 +69,8 @@ class CacheBatch:
       page ``j`` of sequence ``b``. Entries past a sequence's last page are 0 and never read.
     - ``cache_lengths``: int32 ``[B]``, tokens already cached before this call.
     - ``input_row_offsets``: int32 ``[B+1]``, rows of the ragged query batch per sequence.
+    - ``cache_format``: ``native`` (entries in ``blocks.dtype``), ``fp8_e4m3`` (float8 entries times
+      ``kv_scale[layer]``) or ``fp8_ds_mla`` (uint8 token records, see ``openmla.fp8``).
     """
 
     blocks: torch.Tensor
@@ -66,6 +79,9 @@ class CacheBatch:
     input_row_offsets: torch.Tensor
     page_size: int
     seq_ids: tuple = ()
+    cache_format: str = "native"
+    kv_scale: torch.Tensor | None = None  # float32 [num_layers], fp8_e4m3 only
+    rope_dim: int | None = None  # R, needed to decode fp8_ds_mla records
     _host: dict = field(default_factory=dict, repr=False, compare=False)
 
     # Host-side copies, computed once: planning code must not sync per sequence.
@@ -105,7 +121,53 @@ class CacheBatch:
 
     @property
     def head_dim(self) -> int:
+        """Logical entry width L+R (the stored record may be wider or narrower in bytes)."""
+        if self.cache_format == "fp8_ds_mla":
+            return ds_mla_latent_rank(int(self.blocks.shape[3]), self.rope_dim) + self.rope_dim
         return int(self.blocks.shape[3])
+
+    @property
+    def is_native(self) -> bool:
+        return self.cache_format == "native"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype entries are read in: the storage dtype, or bfloat16 for the fp8 formats."""
+        return self.blocks.dtype if self.is_native else torch.bfloat16
+
+    # Format-aware access: every backend may use these; native caches can also be indexed directly.
+    def read_rows(self, layer_idx: int, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Entries ``[n, L+R]`` at physical rows, dequantised, in ``dtype`` (default ``compute_dtype``)."""
+        flat = self.blocks[layer_idx].reshape(-1, self.blocks.shape[3])
+        return self._decode(layer_idx, _select(flat, rows), dtype)
+
+    def read_pages(self, layer_idx: int, pages: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Entries ``[n_pages, page_size, L+R]`` of whole physical pages, dequantised."""
+        return self._decode(layer_idx, _select(self.blocks[layer_idx], pages), dtype)
+
+    def _decode(self, layer_idx: int, stored: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        dtype = dtype or self.compute_dtype
+        if self.cache_format == "fp8_e4m3":
+            wide = torch.float64 if dtype == torch.float64 else torch.float32  # fp8 * fp32 scale is exact in float64
+            return (stored.to(wide) * self.kv_scale[layer_idx].to(wide)).to(dtype)
+        if self.cache_format == "fp8_ds_mla":
+            return unpack_ds_mla(stored, self.head_dim - self.rope_dim, dtype)
+        return stored.to(dtype)
+
+    def write_rows(self, layer_idx: int, rows: torch.Tensor, entries: torch.Tensor) -> None:
+        """Store float ``entries [n, L+R]`` at physical rows, quantising for the fp8 formats."""
+        flat = self.blocks[layer_idx].view(-1, self.blocks.shape[3])
+        if self.cache_format == "fp8_e4m3":
+            stored = quantize_e4m3(entries, self.kv_scale[layer_idx])
+        elif self.cache_format == "fp8_ds_mla":
+            stored = pack_ds_mla(entries, self.head_dim - self.rope_dim)
+        else:
+            stored = entries.to(flat.dtype)
+        rows = rows.to(flat.device).long()
+        if flat.dtype == FP8:  # torch has no fp8 index_copy_: move the bytes
+            flat.view(torch.uint8).index_copy_(0, rows, stored.to(flat.device).view(torch.uint8))
+        else:
+            flat.index_copy_(0, rows, stored.to(flat.device))
 
     @property
     def max_new_tokens(self) -> int:
@@ -113,7 +175,11 @@ class CacheBatch:
 
     def with_offsets(self, input_row_offsets: torch.Tensor) -> "CacheBatch":
         """The same cache view with another ragged query layout (new host cache)."""
-        return CacheBatch(self.blocks, self.block_table, self.cache_lengths, input_row_offsets, self.page_size, self.seq_ids)
+        return dataclasses.replace(self, input_row_offsets=input_row_offsets, _host={})
+
+    def with_blocks(self, blocks: torch.Tensor) -> "CacheBatch":
+        """The same view over other storage of the same shape (a copy of the cache, say)."""
+        return dataclasses.replace(self, blocks=blocks)
 
 
 class PagedLatentCache:
@@ -130,14 +196,32 @@ class PagedLatentCache:
         num_pages: int,
         page_size: int = 64,
         head_dim: int = 576,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | str = torch.bfloat16,
         device: torch.device | str = "cpu",
+        *,
+        rope_dim: int = 64,
+        kv_scale: float = 1.0,
     ) -> None:
+        """``dtype``: a float dtype (entries stored as is), ``torch.float8_e4m3fn`` or ``"fp8_e4m3"``
+        (entries / ``kv_scale``, one float32 scale per layer), or ``"fp8_ds_mla"`` (DeepSeek-V3.2's
+        656-byte record for L=512, R=64; ``rope_dim`` is R)."""
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size), ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.page_size = page_size
-        self.blocks = torch.zeros(num_layers, num_pages, page_size, head_dim, dtype=dtype, device=device)
+        self.rope_dim = rope_dim
+        if dtype in ("fp8_e4m3", FP8):
+            self.cache_format, width, storage = "fp8_e4m3", head_dim, FP8
+        elif dtype == "fp8_ds_mla":
+            self.cache_format, width, storage = "fp8_ds_mla", ds_mla_record_bytes(head_dim - rope_dim, rope_dim), torch.uint8
+        elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            self.cache_format, width, storage = "native", head_dim, dtype
+        else:
+            raise ValueError(f"dtype: expected a float dtype, 'fp8_e4m3' or 'fp8_ds_mla', got {dtype!r}")
+        if not (kv_scale > 0):
+            raise ValueError(f"kv_scale: must be > 0, got {kv_scale!r}")
+        self.blocks = torch.zeros(num_layers, num_pages, page_size, width, dtype=storage, device=device)
+        self.kv_scale = torch.full((num_layers,), float(kv_scale), dtype=torch.float32, device=device)
         self.allocator = PageAllocator(num_pages)
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
@@ -161,7 +245,8 @@ class PagedLatentCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in one layer (1152 for a bf16 576-wide entry)."""
+        """Bytes one token occupies in one layer: 1152 for bf16 576-wide entries, 576 for fp8_e4m3
+        (plus one 4-byte scale per layer), 656 for fp8_ds_mla."""
         return int(self.blocks.shape[3]) * self.blocks.element_size()
 
     @property
@@ -215,6 +300,9 @@ class PagedLatentCache:
             input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
             page_size=ps,
             seq_ids=tuple(seq_ids),
+            cache_format=self.cache_format,
+            kv_scale=None if self.cache_format == "native" else self.kv_scale,
+            rope_dim=self.rope_dim,
         )
         batch._host.update(cache=cache_lengths, offsets=offsets)
         return batch

@@ -11,6 +11,7 @@ import torch
 
 from .backends import load_backend, resolve_backend_name
 from .cache import CacheBatch
+from .fp8 import FP8, dequantize_q
 from .masks import MaskVariant
 from .validate import (
     FLOAT_DTYPES,
@@ -26,8 +27,35 @@ from .validate import (
 DECODE_MAX_Q_LEN = 6  # MAX's threshold: up to this many new tokens per sequence runs the decode form
 
 
-def _backend(backend: str | None, device: torch.device):
-    return load_backend(resolve_backend_name(backend, device))
+def _backend(backend: str | None, device: torch.device, batch: CacheBatch | None = None):
+    name = resolve_backend_name(backend, device)
+    be = load_backend(name)
+    if batch is not None and batch.cache_format not in getattr(be, "CACHE_FORMATS", ("native",)):
+        raise ValueError(f"kv_collection: the {name} backend cannot read a {batch.cache_format} cache yet")
+    return be
+
+
+def _query(q: object, q_scale: object) -> tuple[torch.Tensor, torch.dtype]:
+    """Check q; a float8_e4m3fn q is dequantised with ``q_scale`` and gives bfloat16 output.
+
+    Returns ``(q in a compute dtype, output dtype)``.
+    """
+    check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES + (FP8,))
+    if q.dtype != FP8:
+        if q_scale is not None:
+            raise ValueError("q_scale: only a float8_e4m3fn q takes a scale")
+        return q, q.dtype
+    if q_scale is not None:
+        if isinstance(q_scale, torch.Tensor):
+            check_tensor("q_scale", q_scale, dtypes=(torch.float32,), device=q.device)
+            if q_scale.numel() not in (1, q.shape[0]) or q_scale.dim() > 1:
+                raise ValueError(f"q_scale: expected a scalar, [1] or per-token [{q.shape[0]}], got {tuple(q_scale.shape)}")
+            bad = not bool(torch.isfinite(q_scale).all())
+        else:
+            bad = isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not math.isfinite(q_scale)
+        if bad:
+            raise ValueError(f"q_scale: must be finite, got {q_scale!r}")
+    return dequantize_q(q, q_scale, torch.bfloat16), torch.bfloat16
 
 
 def _finish(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, device: torch.device, return_lse: bool):
@@ -154,7 +182,7 @@ def mla_write_cache(
     dev = check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES).device
     _check_write_inputs(q, kv, freqs_cis, kv_norm_gamma, kv_collection, layer_idx, epsilon, dev)
     check_offsets("kv_collection.input_row_offsets", kv_collection.input_row_offsets, q.shape[0], dev)
-    be = _backend(backend, dev)
+    be = _backend(backend, dev, kv_collection)
     return be.write_cache(q, kv, freqs_cis, kv_norm_gamma, kv_collection, layer_idx, float(epsilon), rope_interleaved).to(q.dtype)
 
 
@@ -184,6 +212,7 @@ def mla_prefill_decode_graph(
     buffer_size: int | None = None,
     decode_max_q_len: int = DECODE_MAX_Q_LEN,
     rope_interleaved: bool = True,
+    q_scale: torch.Tensor | float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
@@ -194,9 +223,11 @@ def mla_prefill_decode_graph(
     ``w_k [H*Dn, L]``, ``w_uk [H, L, Dn]``, ``w_uv [H, Dv, L]``. Returns ``out [T, H, Dv]`` in q's
     dtype (and float32 ``lse [T, H]`` with ``return_lse``). Runs the decode (absorbed) form when
     no sequence has more than ``decode_max_q_len`` new tokens, the prefill form otherwise.
-    Nothing is written to the cache when an argument is rejected.
+    Nothing is written to the cache when an argument is rejected. A float8_e4m3fn ``q`` (with
+    ``q_scale``: scalar or per token) gives bfloat16 output.
     """
-    dev = check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES).device
+    q, out_dtype = _query(q, q_scale)
+    dev = q.device
     T, H, qd = q.shape
     L, R = _check_write_inputs(q, kv, freqs_cis, kv_norm_gamma, kv_collection, layer_idx, epsilon, dev)
     Dn = qd - R
@@ -216,7 +247,7 @@ def mla_prefill_decode_graph(
     check_optional_positive("num_partitions", num_partitions)
     check_optional_positive("buffer_size", buffer_size)
     check_int("decode_max_q_len", decode_max_q_len, 0)
-    be = _backend(backend, dev)
+    be = _backend(backend, dev, kv_collection)
 
     q_rot = be.write_cache(q, kv, freqs_cis, kv_norm_gamma, kv_collection, layer_idx, float(epsilon), rope_interleaved)
     sparse = dict(sparse_indices=sparse_indices, topk_lengths=topk_lengths, physical_indices=physical_indices, attn_sink=attn_sink)
@@ -228,7 +259,7 @@ def mla_prefill_decode_graph(
     else:
         out, lse = be.prefill(q_rot, kv_collection, layer_idx, w_k, w_uv, scale=scale, mask=variant,
                               buffer_size=buffer_size, **sparse)
-    return _finish(out, lse, q.dtype, dev, return_lse)
+    return _finish(out, lse, out_dtype, dev, return_lse)
 
 
 # Kernel-level entry points ---------------------------------------------------------
@@ -247,6 +278,7 @@ def flare_mla_decode(
     topk_lengths: torch.Tensor | None = None,
     physical_indices: bool = True,
     attn_sink: torch.Tensor | None = None,
+    q_scale: torch.Tensor | float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
@@ -254,9 +286,11 @@ def flare_mla_decode(
 
     ``q [T, H, L+R]`` is already absorbed (``W_UK^T q_nope``) and roped; the cache already holds
     this call's tokens (positions ``cache_lengths[b] + i``). Returns ``out [T, H, L]`` in q's dtype
-    (and float32 ``lse [T, H]``). ``kv_lora_rank`` is L, the value width.
+    (and float32 ``lse [T, H]``). ``kv_lora_rank`` is L, the value width. A float8_e4m3fn ``q``
+    (with ``q_scale``) gives bfloat16 output.
     """
-    dev = check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES).device
+    q, out_dtype = _query(q, q_scale)
+    dev = q.device
     T, H, D = q.shape
     check_cache_batch(kv_collection, layer_idx, dev)
     if D != kv_collection.head_dim:
@@ -269,11 +303,11 @@ def flare_mla_decode(
         physical_indices=physical_indices, attn_sink=attn_sink, device=dev,
     )
     check_optional_positive("num_partitions", num_partitions)
-    be = _backend(backend, dev)
+    be = _backend(backend, dev, kv_collection)
     out, lse = be.decode(q, kv_collection, layer_idx, scale=scale, kv_lora_rank=kv_lora_rank, mask=variant,
                          sparse_indices=sparse_indices, topk_lengths=topk_lengths, physical_indices=physical_indices,
                          attn_sink=attn_sink, num_partitions=num_partitions)
-    return _finish(out, lse, q.dtype, dev, return_lse)
+    return _finish(out, lse, out_dtype, dev, return_lse)
 
 
 def mla_prefill(
@@ -292,14 +326,16 @@ def mla_prefill(
     physical_indices: bool = True,
     attn_sink: torch.Tensor | None = None,
     buffer_size: int | None = None,
+    q_scale: torch.Tensor | float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
     """Prefill (up-projected) form over the cache: ``q [T, H, Dn+R]`` (roped), keys = every cached
     position the mask shows (this call's tokens already written). K_nope and V are up-projected
     with ``w_k [H*Dn, L]`` and ``w_uv [H, Dv, L]`` in chunks of at most ``buffer_size`` keys.
-    Returns ``out [T, H, Dv]`` (and float32 ``lse``)."""
-    dev = check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES).device
+    Returns ``out [T, H, Dv]`` (and float32 ``lse``); bfloat16 for a float8_e4m3fn ``q``."""
+    q, out_dtype = _query(q, q_scale)
+    dev = q.device
     T, H, qd = q.shape
     check_cache_batch(kv_collection, layer_idx, dev)
     L = check_tensor("w_uv", w_uv, shape=(H, None, None), dtypes=FLOAT_DTYPES, device=dev).shape[2]
@@ -314,11 +350,11 @@ def mla_prefill(
         physical_indices=physical_indices, attn_sink=attn_sink, device=dev,
     )
     check_optional_positive("buffer_size", buffer_size)
-    be = _backend(backend, dev)
+    be = _backend(backend, dev, kv_collection)
     out, lse = be.prefill(q, kv_collection, layer_idx, w_k, w_uv, scale=scale, mask=variant,
                           sparse_indices=sparse_indices, topk_lengths=topk_lengths,
                           physical_indices=physical_indices, attn_sink=attn_sink, buffer_size=buffer_size)
-    return _finish(out, lse, q.dtype, dev, return_lse)
+    return _finish(out, lse, out_dtype, dev, return_lse)
 
 
 def _check_flare_prefill(q, k, v, buffer_row_offsets, cache_offsets, batch, layer_idx, dev):
@@ -355,6 +391,7 @@ def flare_mla_prefill(
     mask: str | MaskVariant = "causal",
     window_size: int | None = None,
     chunk_size: int | None = None,
+    q_scale: torch.Tensor | float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
     _tile: MlaConfigV2 | None = None,
@@ -364,19 +401,21 @@ def flare_mla_prefill(
     ``q [T, H, Dn+R]`` (roped); ``k [S, H, Dn]`` and ``v [S, H, Dv]`` hold, in rows
     ``buffer_row_offsets[b]:[b+1]``, sequence ``b``'s keys at positions ``cache_offsets[b] + j``,
     whose rope part is read from the cache. Queries sit at ``cache_lengths[b] + i``. Returns
-    ``out [T, H, Dv]`` (and float32 ``lse`` over this chunk's keys, for ``merge_states``).
+    ``out [T, H, Dv]`` (and float32 ``lse`` over this chunk's keys, for ``merge_states``); bfloat16
+    for a float8_e4m3fn ``q`` (with ``q_scale``).
     """
-    dev = check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES).device
+    q, out_dtype = _query(q, q_scale)
+    dev = q.device
     offs = _check_flare_prefill(q, k, v, buffer_row_offsets, cache_offsets, kv_collection, layer_idx, dev)
     scale, variant = check_attention_common(
         q_rows=q.shape[0], num_heads=q.shape[1], batch=kv_collection, offsets=offs, scale=scale, mask=mask,
         window_size=window_size, chunk_size=chunk_size, sparse_indices=None, topk_lengths=None,
         physical_indices=True, attn_sink=None, device=dev,
     )
-    be = _backend(backend, dev)
+    be = _backend(backend, dev, kv_collection)
     out, lse = be.flare_mla_prefill(q, k, v, buffer_row_offsets, cache_offsets, kv_collection, layer_idx,
                                     scale=scale, mask=variant, tile=_tile)
-    return _finish(out, lse, q.dtype, dev, return_lse)
+    return _finish(out, lse, out_dtype, dev, return_lse)
 
 
 def mla_prefill_v2_ragged(
@@ -393,13 +432,14 @@ def mla_prefill_v2_ragged(
     mask: str | MaskVariant = "causal",
     window_size: int | None = None,
     chunk_size: int | None = None,
+    q_scale: torch.Tensor | float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
     """``flare_mla_prefill`` with an explicit tile config (``MlaConfigV2``); same result for any tiles."""
     if not isinstance(config, MlaConfigV2):
         raise ValueError(f"config: expected an MlaConfigV2, got {type(config).__name__}")
-    check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES)
+    check_tensor("q", q, rank=3, dtypes=FLOAT_DTYPES + (FP8,))
     if q.shape[1] != config.num_heads or q.shape[2] != config.q_depth:
         raise ValueError(f"config: num_heads={config.num_heads}, q_depth={config.q_depth} but q is {tuple(q.shape)}")
     if v.dim() == 3 and v.shape[2] != config.depth:
@@ -407,8 +447,8 @@ def mla_prefill_v2_ragged(
     if q.dtype != config.dtype:
         raise ValueError(f"config: dtype={config.dtype} but q is {q.dtype}")
     out = flare_mla_prefill(q, k_nope, v, buffer_row_offsets, cache_offsets, kv_collection, layer_idx, scale=scale,
-                            mask=mask, window_size=window_size, chunk_size=chunk_size, return_lse=return_lse,
-                            backend=backend, _tile=config)
+                            mask=mask, window_size=window_size, chunk_size=chunk_size, q_scale=q_scale,
+                            return_lse=return_lse, backend=backend, _tile=config)
     if return_lse:
         return out[0].to(config.output_dtype), out[1]
     return out.to(config.output_dtype)

@@ -26,8 +26,7 @@ def physical_rows(batch: CacheBatch, b: int, positions: torch.Tensor) -> torch.T
 
 def cache_rows(batch: CacheBatch, layer_idx: int, rows: torch.Tensor) -> torch.Tensor:
     """Cache entries ``[n, L+R]`` (float64) at physical rows."""
-    flat = batch.blocks[layer_idx].reshape(-1, batch.head_dim)
-    return flat[rows.to(flat.device).long()].cpu().to(F64)
+    return batch.read_rows(layer_idx, rows, F64).cpu()
 
 
 def _query_keys(
@@ -242,8 +241,7 @@ def write_cache(
     entry = torch.cat([rms_norm(kv[:, :L].cpu(), kv_norm_gamma.cpu(), epsilon), rope(kv[:, L:], freqs_cis, pos, interleaved)], dim=-1)
     spans = zip(batch.cache_lengths_list, batch.new_tokens_list)
     rows = torch.cat([physical_rows(batch, b, torch.arange(c, c + n)) for b, (c, n) in enumerate(spans)] or [torch.zeros(0, dtype=torch.long)])
-    flat = batch.blocks[layer_idx].view(-1, batch.head_dim)
-    flat[rows.to(flat.device)] = entry.to(flat.dtype).to(flat.device)
+    batch.write_rows(layer_idx, rows, entry)
 
 
 def mla_prefill_decode_graph(

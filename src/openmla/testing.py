@@ -44,9 +44,7 @@ class Case:
 
     def clone_cache(self) -> "Case":
         """The same case with its own copy of the cache storage (for running two backends)."""
-        blocks = self.cache.blocks.clone()
-        b = self.batch
-        batch = CacheBatch(blocks, b.block_table.clone(), b.cache_lengths.clone(), b.input_row_offsets.clone(), b.page_size, b.seq_ids)
+        batch = self.batch.with_blocks(self.cache.blocks.clone())
         return Case(self.config, self.cache, batch, self.q, self.kv, self.freqs_cis, self.gamma, self.w_k, self.w_uk,
                     self.w_uv, self.layer_idx, self.seed, dict(self.extras))
 
@@ -67,10 +65,13 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
     spare_pages: int = 3,
+    cache_dtype: str | None = None,
+    kv_scale: float = 1.0,
 ) -> Case:
     """A ragged batch: sequence ``b`` has ``cache_lens[b]`` cached tokens and ``new_lens[b]`` new ones.
 
     The cache is prepared (pages reserved) but this call's tokens are not yet written.
+    ``cache_dtype`` ("fp8_e4m3", "fp8_ds_mla") picks an fp8 cache; inputs stay in ``dtype``.
     """
     if seed is None:
         seed = random.randrange(2**31)
@@ -80,12 +81,19 @@ def make_case(
     H, L, R, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     pages_needed = sum(-(-(c + n) // page_size) for c, n in zip(cache_lens, new_lens))
     num_pages = pages_needed + spare_pages
-    cache = PagedLatentCache(num_layers, num_pages, page_size=page_size, head_dim=L + R, dtype=dtype)
+    cache = PagedLatentCache(num_layers, num_pages, page_size=page_size, head_dim=L + R, dtype=cache_dtype or dtype,
+                             rope_dim=R, kv_scale=kv_scale)
     # Hand pages out in a shuffled order so sequences own scattered, non-monotonic pages.
     order = list(range(num_pages))
     rng.shuffle(order)
     cache.allocator._free = order
-    cache.blocks.copy_((torch.randn(cache.blocks.shape, generator=g)).to(dtype))
+    if cache.cache_format == "native":
+        cache.blocks.copy_((torch.randn(cache.blocks.shape, generator=g)).to(dtype))
+    else:  # store random entries through the quantising writer
+        entries = torch.randn(num_pages * page_size, L + R, generator=g)
+        filler = cache.prepare([], [])  # an empty batch: a view of the storage, no sequence
+        for layer in range(num_layers):
+            filler.write_rows(layer, torch.arange(num_pages * page_size), entries)
     ids = [f"s{i}" for i in range(len(cache_lens))]
     if any(cache_lens):
         pre = cache.prepare(ids, cache_lens)

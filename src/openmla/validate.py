@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from .cache import CacheBatch
+from .fp8 import CACHE_FORMATS
 from .masks import MaskVariant
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -82,6 +83,12 @@ def check_cache_batch(kv_collection: object, layer_idx: object, device: torch.de
         raise ValueError(f"kv_collection: expected a CacheBatch, got {type(kv_collection).__name__}")
     b = kv_collection
     check_tensor("kv_collection.blocks", b.blocks, rank=4, device=device)
+    if b.cache_format not in CACHE_FORMATS:
+        raise ValueError(f"kv_collection.cache_format: {b.cache_format!r} is not one of {CACHE_FORMATS}")
+    if b.cache_format == "fp8_e4m3":
+        check_tensor("kv_collection.kv_scale", b.kv_scale, shape=(b.num_layers,), dtypes=(torch.float32,), device=device)
+    if b.cache_format == "fp8_ds_mla" and (not isinstance(b.rope_dim, int) or b.rope_dim < 2):
+        raise ValueError(f"kv_collection.rope_dim: fp8_ds_mla records need the rope width, got {b.rope_dim!r}")
     if head_dim is not None and b.head_dim != head_dim:
         raise ValueError(f"kv_collection.blocks: entry width {b.head_dim}, expected {head_dim} (L+R)")
     if b.blocks.shape[2] != b.page_size:

@@ -13,6 +13,7 @@ from ..cache import CacheBatch
 from ..masks import MaskVariant
 
 F64 = torch.float64
+CACHE_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
 
 
 def write_cache(q, kv, freqs_cis, kv_norm_gamma, batch: CacheBatch, layer_idx: int, epsilon: float, interleaved: bool):
