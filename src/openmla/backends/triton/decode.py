@@ -175,6 +175,7 @@ def decode_into(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode without host reads (the CUDA-graph-capturable entry; no argument checks).
 
@@ -183,7 +184,7 @@ def decode_into(
     ``input_row_offsets [B+1]`` int32 on q's device; ``sparse_indices [T, stride]`` int32
     (``topk_lengths [B]``). Returns ``out [T, H, L]`` (q's dtype unless ``out`` is given) and
     float32 ``lse [T, H]``. ``workspace`` = (``o_part [S, T, H, L]``, ``lse_part [S, T, H]``)
-    float32 with ``S >= num_splits``.
+    float32 with ``S >= num_splits``. ``config`` overrides ``decode_config`` (tuning).
     """
     T, H, D = q.shape
     L, R = kv_lora_rank, D - kv_lora_rank
@@ -205,7 +206,7 @@ def decode_into(
         sparse = sparse_indices
     mask_code, window, chunk = _common.mask_args(mask)
     dot_t = _common.dot_dtype(q.dtype, cache_layer.dtype)
-    cfg = decode_config(cache_layer.dtype, dev)
+    cfg = dict(config) if config is not None else decode_config(cache_layer.dtype, dev)
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     B = cache_lengths.shape[0]
     grid = (triton.cdiv(H, block_h), T, num_splits)

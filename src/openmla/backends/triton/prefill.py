@@ -143,9 +143,11 @@ def flare_prefill_into(
     mask: MaskVariant,
     max_new_tokens: int,
     tile=None,
+    config: dict | None = None,
 ) -> None:
     """One chunk: ``q [T, H, Dn+R]``, ``k [S, H, Dn]``, ``v [S, H, Dv]`` into ``out [T, H, Dv]``
-    (any float dtype) and ``lse [T, H]`` float32. Offsets are int32 on q's device."""
+    (any float dtype) and ``lse [T, H]`` float32. Offsets are int32 on q's device.
+    ``config`` (``BLOCK_M``, ``BLOCK_N``, launch settings) overrides ``prefill_config``."""
     T, H, QD = q.shape
     DN, DV = k.shape[2], v.shape[2]
     R = QD - DN
@@ -156,7 +158,7 @@ def flare_prefill_into(
     block_table = _common.as_index(batch.block_table)
     mask_code, window, chunk = _common.mask_args(mask)
     dot_t = _common.dot_dtype(q.dtype, k.dtype, v.dtype, layer.dtype)
-    cfg = prefill_config(q.dtype, q.device, tile)
+    cfg = dict(config) if config is not None else prefill_config(q.dtype, q.device, tile)
     grid = (triton.cdiv(max_new_tokens, cfg["BLOCK_M"]), H, B)
     _flare_prefill_kernel[grid](
         q, k, v, layer, block_table, _common.as_index(batch.cache_lengths), _common.as_index(batch.input_row_offsets),
