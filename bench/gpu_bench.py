@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -49,7 +48,6 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-import openmla  # noqa: E402
 from openmla import CacheBatch  # noqa: E402
 from openmla.backends.triton import api  # noqa: E402
 from openmla.backends.triton.decode import decode_config, decode_into, default_num_splits  # noqa: E402
@@ -210,7 +208,7 @@ def bench_decode(B: int, H: int, ctx: int, ceil: dict, config: dict | None = Non
                     scale=scale, kv_lora_rank=L, num_splits=splits, out=out, lse=lse, workspace=ws, config=config)
 
     res = {"B": B, "H": H, "context": ctx, "page_size": PAGE, "num_splits": splits,
-           "config": config or decode_config(BF16, DEV)}
+           "config": config or decode_config(BF16, DEV, H)}
     graph = graph_time_ms(step)
     t = graph or time_ms(step)
     res["graph" if graph else "eager"] = t

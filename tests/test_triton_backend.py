@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'open
 import openmla  # noqa: E402
 from openmla import CacheBatch, MlaConfigV2, reference as ref  # noqa: E402
 from openmla.backends import reference_backend  # noqa: E402
-from openmla.backends.triton import _common  # noqa: E402
+from openmla.backends.triton import _common, api  # noqa: E402
 from openmla.backends.triton.decode import decode_into, default_num_splits  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
 
@@ -299,41 +302,94 @@ def test_deepseek_dims_heavy(form, dtype):
     _run_fused(case, form, dtype, {})
 
 
-# CUDA only ---------------------------------------------------------------------------
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_decode_cuda_graph_replay_after_metadata_update():
-    """Capture ``decode_into`` once, then change q, lengths and the page table in place and replay."""
+# Replaying a step after in-place metadata updates (a CUDA graph on GPU) ----------------
+def replayable(step):
+    """Run ``step`` once (compiling it); on CUDA capture it in a graph and return the replay,
+    on the CPU return ``step`` itself (same metadata-update semantics, no capture)."""
+    step()
+    if not CUDA:
+        return step
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def test_decode_into_replay_after_metadata_update():
+    """``decode_into`` with fixed buffers: change q and lengths in place, replay, compare."""
     case = written(make_case([50, 20, 33], [1, 1, 1], config=small_config(num_heads=16), page_size=16))
     dev = on_device(case)
     L = case.config.kv_lora_rank
     b = dev.batch
     q = absorbed_q(case).to(DEV)
-    meta = dict(block_table=b.block_table.clone(), cache_lengths=b.cache_lengths.clone(),
-                input_row_offsets=b.input_row_offsets.clone())
     T, H, _ = q.shape
     out, lse = torch.empty(T, H, L, device=DEV), torch.empty(T, H, device=DEV)
     ws = (torch.empty(3, T, H, L, device=DEV), torch.empty(3, T, H, device=DEV))
 
     def step():
-        decode_into(q, b.blocks[dev.layer_idx], meta["block_table"], meta["cache_lengths"], meta["input_row_offsets"],
-                    b.page_size, scale=case.scale, kv_lora_rank=L, num_splits=3, out=out, lse=lse, workspace=ws)
+        decode_into(q, b.blocks[dev.layer_idx], b.block_table, b.cache_lengths, b.input_row_offsets, b.page_size,
+                    scale=case.scale, kv_lora_rank=L, num_splits=3, out=out, lse=lse, workspace=ws)
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    replay = replayable(step)
     for shrink in (0, 7):
         lengths = torch.tensor([50 - shrink, 20, 33 - shrink], dtype=torch.int32)
-        meta["cache_lengths"].copy_(lengths.to(DEV))
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        torch.cuda.synchronize()
+        b.cache_lengths.copy_(lengths.to(DEV))
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(case.seed + shrink)).to(DEV))
+        replay()
         view = CacheBatch(case.batch.blocks, case.batch.block_table, lengths, case.batch.input_row_offsets,
                           case.batch.page_size)
         want, want_lse = ref.decode(q.cpu(), view, case.layer_idx, scale=case.scale, kv_lora_rank=L)
-        check(out, want, F32, case, f"graph replay (shrink {shrink})")
-        check_lse(lse, want_lse, F32, case, f"graph replay (shrink {shrink})")
+        check(out, want, F32, case, f"replay (shrink {shrink})")
+        check_lse(lse, want_lse, F32, case, f"replay (shrink {shrink})")
+
+
+def test_backend_decode_step_replay():
+    """The whole decode step at backend level (write, absorb, decode with fixed splits,
+    unabsorb) replayed with new q/kv and lengths: what an engine captures per layer."""
+    case = make_case([40, 9], [2, 1], config=small_config(num_heads=3), page_size=16)
+    dev = on_device(case)
+    b = dev.batch
+    res = {}
+
+    def step():
+        q_rot = api.write_cache(dev.q, dev.kv, dev.freqs_cis, dev.gamma, b, dev.layer_idx, 1e-6, True)
+        out_lat, res["lse"] = api.decode(api.absorb(q_rot, dev.w_uk), b, dev.layer_idx, scale=case.scale,
+                                         kv_lora_rank=case.config.kv_lora_rank, mask=MaskVariant(), sparse_indices=None,
+                                         topk_lengths=None, physical_indices=True, attn_sink=None, num_partitions=2)
+        res["out"] = api.unabsorb(out_lat, dev.w_uv)
+
+    replay = replayable(step)
+    for shrink in (0, 5):
+        lengths = torch.tensor([40 - shrink, 9], dtype=torch.int32)
+        g = torch.Generator().manual_seed(case.seed + shrink)
+        q, kv = torch.randn(case.q.shape, generator=g), torch.randn(case.kv.shape, generator=g)
+        view = CacheBatch(case.batch.blocks.clone(), case.batch.block_table, lengths, case.batch.input_row_offsets,
+                          case.batch.page_size)
+        b.blocks.copy_(view.blocks.to(DEV))  # both caches start equal
+        b.cache_lengths.copy_(lengths.to(DEV))
+        dev.q.copy_(q.to(DEV))
+        dev.kv.copy_(kv.to(DEV))
+        replay()
+        want, want_lse = ref.mla_prefill_decode_graph(q, kv, case.freqs_cis, case.gamma, view, case.layer_idx, case.w_k,
+                                                      case.w_uk, case.w_uv, scale=case.scale, use_decode_form=True)
+        check(res["out"], want, F32, case, f"step replay (shrink {shrink})")
+        check_lse(res["lse"], want_lse, F32, case, f"step replay (shrink {shrink})")
+        check(b.blocks, view.blocks, F32, case, f"cache after step replay (shrink {shrink})")
+
+
+@pytest.mark.skipif(CUDA, reason="with a GPU the other tests compile every kernel for real")
+def test_kernels_compile_for_sm90_heavy():
+    """Compile every kernel specialisation for Hopper with the wheel's ptxas (no GPU needed):
+    catches what the interpreter lets through (typing, tl.dot shapes). About 30 s."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(openmla.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "openmla.backends.triton.aot", "--dtypes", "bfloat16,float32"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "FAIL" not in proc.stdout:
+        pytest.skip(f"ahead-of-time compilation unavailable here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
 
 
 def test_interpreter_or_cuda():

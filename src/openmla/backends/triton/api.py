@@ -5,7 +5,8 @@
 | ``write_cache`` | one kernel launch (``cache_write``) |
 | ``absorb`` / ``unabsorb`` | ``torch.bmm`` per head (cuBLAS on GPU) |
 | ``decode`` | split-KV kernel + merge kernel (``decode``, ``merge``) |
-| ``prefill`` | dense: chunked gather + torch up-projection + flash kernel + merge (``prefill``); sparse: the absorbed decode path, which is the same math |
+| ``prefill`` | dense: chunked gather + torch up-projection + flash kernel + merge (``prefill``); |
+| | sparse: the absorbed decode path (the same math) |
 | ``flare_mla_prefill`` | the flash kernel on given K/V (``prefill``) |
 
 Float64 inputs are computed in float32 (the kernels' accumulation type).
@@ -19,7 +20,7 @@ from ...cache import CacheBatch
 from ...masks import MaskVariant
 from . import _common
 from .cache_write import write_cache
-from .decode import decode_into, default_num_splits
+from .decode import decode_config, decode_into, default_num_splits
 from .prefill import flare_mla_prefill
 from .prefill import prefill as _dense_prefill
 
@@ -52,7 +53,8 @@ def decode(q_abs: torch.Tensor, batch: CacheBatch, layer_idx: int, *, scale: flo
             max_keys = int(sparse_indices.shape[1])
         else:
             max_keys = max(batch.seq_lens_list, default=0)
-        num_partitions = default_num_splits(q_abs.shape[0], q_abs.shape[1], max_keys, q_abs.device)
+        block_h = decode_config(batch.blocks.dtype, q_abs.device, q_abs.shape[1])["BLOCK_H"]
+        num_partitions = default_num_splits(q_abs.shape[0], q_abs.shape[1], max_keys, q_abs.device, block_h)
     layer, _ = _common.cache_layer(batch, layer_idx)
     return decode_into(
         q_abs, layer, _common.as_index(batch.block_table), _common.as_index(batch.cache_lengths),
