@@ -4,7 +4,7 @@ Every query head attends to the same 576-wide cache rows: the score of a key is
 ``q_lat . latent + q_rope . k_rope`` (two dot products, 512 + 64 wide for DeepSeek) and its
 value is the latent itself, so each key tile is loaded once and used for both.
 
-Stage 1 (``_decode_split_kernel``), grid ``(cdiv(H, BLOCK_H), T, num_splits)``: a program
+Stage 1 (``_decode_split_kernel``), grid ``(T * cdiv(H, BLOCK_H), num_splits)``: a program
 takes one query token, a block of its heads and one slice of the keys that token sees, and
 writes that slice's normalised output and float32 LSE. Heads vary fastest in the grid so
 the programs sharing a token's key tiles run together and hit L2.
@@ -53,9 +53,12 @@ def _decode_split_kernel(
     MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr, STEPS: tl.constexpr,
     DOT_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    head_block = tl.program_id(0)
-    t = tl.program_id(1)
-    split = tl.program_id(2)
+    # Axis 0 enumerates (token, head block) with head blocks fastest; it allows 2^31 - 1
+    # programs where axis 1 would stop at 65535 tokens (sparse prefill sends many).
+    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    head_block = tl.program_id(0) % num_head_blocks
+    t = tl.program_id(0) // num_head_blocks
+    split = tl.program_id(1)
 
     # Which sequence this row belongs to, its position, and the keys its mask shows.
     seq = find_sequence(offsets_ptr, t, num_seqs, STEPS)
@@ -208,6 +211,11 @@ def decode_into(
     o_part, lse_part = workspace[0][:num_splits], workspace[1][:num_splits]
     if T == 0:
         return out, lse
+    # Layout the kernels index with unit inner strides (host-side shape facts: no sync).
+    if cache_layer.stride(2) != 1 or cache_layer.stride(0) != cache_layer.shape[1] * cache_layer.stride(1):
+        raise ValueError("cache_layer: pages must be stored contiguously (row-major)")
+    if o_part.stride(3) != 1 or lse_part.stride(2) != 1 or out.stride(2) != 1 or lse.stride(1) != 1:
+        raise ValueError("workspace/out/lse: the last dimension must be contiguous")
     if q.stride(2) != 1:
         q = q.contiguous()
     if sparse_indices is None:
@@ -220,7 +228,7 @@ def decode_into(
     cfg = dict(config) if config is not None else decode_config(cache_layer.dtype, dev, H)
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     B = cache_lengths.shape[0]
-    grid = (triton.cdiv(H, block_h), T, num_splits)
+    grid = (triton.cdiv(H, block_h) * T, num_splits)
     _decode_split_kernel[grid](
         q, cache_layer, block_table, cache_lengths, input_row_offsets, sparse,
         topk_lengths if topk_lengths is not None else cache_lengths,

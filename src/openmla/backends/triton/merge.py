@@ -36,8 +36,10 @@ def _merge_kernel(
 
     # Pass 1: the largest part LSE (the reference point of every weight).
     m = tl.full((), float("-inf"), tl.float32)
-    for s in range(num_parts):
-        m = tl.maximum(m, tl.load(lse_base + s * stride_ls))
+    lse_ptr = lse_base
+    for _ in range(num_parts):
+        m = tl.maximum(m, tl.load(lse_ptr))
+        lse_ptr += stride_ls  # pointer steps stay 64-bit however large the parts are
     m_ref = tl.where(m == float("-inf"), 0.0, m)
 
     # Pass 2: weighted sum of the parts' outputs.
@@ -52,7 +54,7 @@ def _merge_kernel(
         o = tl.load(o_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         acc += tl.where(w > 0, w * o, 0.0)  # an empty part's output never matters
         denom += w
-        lse_ptr += stride_ls  # pointer steps stay 64-bit however large the parts are
+        lse_ptr += stride_ls
         o_ptr += stride_ps
     lse = tl.where(denom > 0, m_ref + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
 
@@ -92,7 +94,8 @@ def merge_parts(
         lse_out = _common.empty((T, H), torch.float32, dev)
     if T == 0 or H == 0:
         return out, lse_out
-    assert o_parts.stride(3) == 1 and out.stride(2) == 1 and lse_out.stride(1) == 1
+    if o_parts.stride(3) != 1 or out.stride(2) != 1 or lse_out.stride(1) != 1:
+        raise ValueError("o_parts/out/lse_out: the last dimension must be contiguous")
     sink = attn_sink.contiguous() if attn_sink is not None else lse_parts  # any pointer when unused
     offsets = _common.as_index(input_row_offsets)
     B = offsets.shape[0] - 1

@@ -45,7 +45,7 @@ def _flare_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
     h = tl.program_id(1)
     seq = tl.program_id(2)
 
@@ -211,7 +211,7 @@ def gather_up_project(batch: CacheBatch, layer_idx: int, seq: torch.Tensor, pos:
     seq, pos = seq.to(dev), pos.to(dev)
     pages = batch.block_table[seq, pos // batch.page_size].long()
     rows = pages * batch.page_size + pos % batch.page_size
-    latent = batch.blocks[layer_idx].reshape(-1, batch.head_dim)[rows, :L].to(dtype)
+    latent = batch.blocks[layer_idx].reshape(-1, batch.blocks.shape[3])[rows, :L].to(dtype)
     k_nope = (latent @ w_k.to(dtype).t()).view(-1, H, w_k.shape[0] // H)
     v = (latent @ w_uv.to(dtype).reshape(H * DV, L).t()).view(-1, H, DV)
     return k_nope, v
