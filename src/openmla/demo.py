@@ -84,6 +84,7 @@ def _init_weights(layer: LatentAttention, seed: int) -> None:
     layer.split_kv_b()
 
 
+@torch.inference_mode()
 def _reference_check(layer: LatentAttention, hidden: torch.Tensor, batch: CacheBatch, layer_out: torch.Tensor) -> float:
     """Re-run one step with the float64 reference backend on a copy of the cache; relative error."""
     blocks = batch.blocks.clone()
@@ -140,7 +141,7 @@ def run_demo(
         batch = cache.prepare(ids, counts)
         hidden = torch.randn(sum(counts), config.hidden_size, dtype=dtype) * hidden_std
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.inference_mode():
             out = layer(hidden, batch)
         dt = time.perf_counter() - t0
         report.peak_pages = max(report.peak_pages, cache.pages_in_use)
