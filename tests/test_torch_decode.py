@@ -174,11 +174,26 @@ def test_decode_small_blocks_and_contiguous_pages(monkeypatch, mask, extra):
     renumbered pages take the no-gather (contiguous run) path."""
     monkeypatch.setattr(tdec, "MAX_BLOCK_KEYS", 24)
     monkeypatch.setattr(tdec, "MAX_QUERY_ROWS", 8)
+    monkeypatch.setattr(tdec, "VIEW_MIN_KEYS", 16)
+    monkeypatch.setattr(tdec, "VIEW_MIN_ROWS", 1)
     case = make_case([0, 50, 133], [3, 6, 5], config=small_config(num_heads=4), page_size=16)
     q_abs = random_q_abs(case)
     out, lse = check_decode(case, q_abs, mask=mask, **extra)
     out2, lse2 = check_decode(contiguous_pages(case), q_abs, mask=mask, **extra)
     assert_close(out2, out, 1e-6, "contiguous vs gathered pages", case.seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_sample_misses_the_max(dtype):
+    """One key far above the sampled ones (2^250 relative): the block sum check must redo the
+    block with the exact max instead of overflowing."""
+    case = make_case([300], [1], config=small_config(num_heads=2), page_size=16, dtype=dtype)
+    q_abs = random_q_abs(case)
+    q_abs[0] = 0.5
+    row = ref.physical_rows(case.batch, 0, torch.tensor([77]))
+    case.batch.blocks[case.layer_idx].view(-1, case.batch.head_dim)[row] = 30.0
+    out, lse = check_decode(case, q_abs)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,8 +16,8 @@ result once); the softmax statistics, the running output and the merges are floa
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -34,11 +34,39 @@ SCORE_BUDGET = 1 << 20
 MAX_BLOCK_KEYS = 4096
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one matmul
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
+VIEW_MIN_KEYS = 512  # a physical run shorter than this is gathered with its neighbours
+VIEW_MIN_ROWS = 64  # fewer query rows than this: copy even contiguous keys (see _dense_chunk)
+
+
+WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Output buffers; every row is written before return (tests swap this for a NaN fill)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_scratch = threading.local()
+
+
+def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused per-thread scratch tensor of ``shape`` (contents undefined).
+
+    Fresh multi-MB allocations cost page faults on every block (measured: a page gather into a
+    new tensor runs at a third of the speed of one into a reused buffer). A view of it must
+    never outlive the block step that asked for it.
+    """
+    numel = math.prod(shape)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (name, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if numel * buf.element_size() <= WORKSPACE_CAP_BYTES:
+            bufs[key] = buf
+    return buf[:numel].view(shape)
 
 
 # Absorption ------------------------------------------------------------------------
@@ -68,79 +96,120 @@ def unabsorb(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 
 # Online softmax over key blocks ---------------------------------------------------
+LOG2E = 1.4426950408889634
+ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
+SAFE_SUM = 2.0**64  # a block sum above this means the sampled offset was too low: redo exactly
+
+
 @dataclass
 class _State:
-    """Running softmax of one group of query rows: ``m`` offset subtracted from the scaled
-    scores (-inf while no key was seen), ``l`` sum of exponentials, ``acc`` unnormalised output."""
+    """Running softmax of one group of query rows, in base-2 units: ``m`` is the offset the
+    exponentials are taken against (-inf while no key was seen), ``l`` their sum, ``acc`` the
+    unnormalised output (the matmul dtype until a second block arrives, then float32)."""
 
-    m: torch.Tensor  # [G, M] float32
-    l: torch.Tensor  # [G, M] float32
-    acc: torch.Tensor  # [G, M, L] float32
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``q [G, M, D] @ k[G, n, D]^T -> [G, M, n]`` (a plain mm when G == 1)."""
-    if q.shape[0] == 1:
-        return torch.mm(q[0], k[0].t()).unsqueeze(0)
-    return torch.bmm(q, k.transpose(1, 2))
+    m: torch.Tensor  # [G, M]
+    l: torch.Tensor  # [G, M]
+    acc: torch.Tensor  # [G, M, L]
 
 
-def _pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if p.shape[0] == 1:
-        return torch.mm(p[0], v[0]).unsqueeze(0)
-    return torch.bmm(p, v)
+def _scores_t(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Transposed scores ``k [G, n, D] @ q [G, M, D]^T -> [G, n, M]`` in scratch memory.
+
+    Keys-major: with few query rows (M = 16) this orientation runs the GEMM ~1.6x faster than
+    ``q @ k^T``, and it is never slower at M = 128 (measured, bf16).
+    """
+    G, n, _ = k.shape
+    out = _workspace("scores", (G, n, q.shape[1]), q.dtype, q.device)
+    if G == 1:
+        torch.mm(k[0], q[0].t(), out=out[0])
+    else:
+        torch.bmm(k, q.transpose(1, 2), out=out)
+    return out
 
 
-def _scaled_max(s: torch.Tensor, scale: float, stat: torch.dtype) -> torch.Tensor:
-    """``scale * max_n s`` per row ``[G, M]``; an all-masked row stays -inf (also for scale 0)."""
-    m = s.amax(-1).to(stat)
-    if scale == 0.0:
-        return torch.where(m == -math.inf, m, 0.0)
-    return m * scale
+def _pv_t(p_t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``p_t [G, n, M]^T @ v [G, n, L] -> [G, M, L]``."""
+    if p_t.shape[0] == 1:
+        return torch.mm(p_t[0].t(), v[0]).unsqueeze(0)
+    return torch.bmm(p_t.transpose(1, 2), v)
+
+
+def _offset(s_t: torch.Tensor, a: float, prev: torch.Tensor | None, exact: bool, stat: torch.dtype) -> torch.Tensor:
+    """Softmax offset ``[G, M]`` (base-2 units, -inf where no key is visible): the running max
+    of ``a * s`` over this block's keys, or over a strided sample of them (``exact=False``).
+
+    A sampled max is only a lower bound; any offset within ~60 of the true max keeps every
+    exponential finite and exact in relative terms, so the caller just checks the block sum.
+    A max over rows of a keys-major block is a strided reduction, several times slower than
+    the exp itself for M = 16, hence the sample.
+    """
+    n = s_t.shape[1]
+    rows = s_t if exact or n <= 2 * ESTIMATE_ROWS else s_t[:, :: n // ESTIMATE_ROWS]
+    m = rows.amax(1).to(stat)
+    if a == 0.0:  # 0 * -inf would be NaN
+        m = torch.where(m == -math.inf, m, 0.0)
+    else:
+        m.mul_(a)
+    return m if prev is None else torch.maximum(prev, m)
+
+
+def _exponentiate(
+    s_t: torch.Tensor, m: torch.Tensor, a: float, hidden: torch.Tensor | None, heads: int, stat: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p = 2^(a*s - m)`` in ``stat`` dtype (scratch) and its per-row sum ``[G, M]``."""
+    neg_off = torch.where(torch.isfinite(m), m, 0.0).neg_().unsqueeze(1)
+    p = torch.add(neg_off, s_t, alpha=a, out=_workspace("probs", s_t.shape, stat, s_t.device))
+    if hidden is not None and a == 0.0:  # 0 * -inf: keep masked keys out explicitly
+        G, n, M = p.shape
+        p.view(G, n, M // heads, heads).masked_fill_(hidden.unsqueeze(-1), -math.inf)
+    p.exp2_()
+    return p, p.sum(1)
 
 
 def _block_step(
     state: _State | None, q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None,
-    heads: int, scale: float, L: int, stat: torch.dtype,
+    heads: int, a: float, L: int, stat: torch.dtype,
 ) -> _State:
     """Fold one key block into ``state``.
 
     ``q [G, M, D]`` (M = tok * heads, token-major), ``k [G, n, D]`` (values = ``k[..., :L]``),
-    ``keep [G, tok, n]`` bool or None (all visible). ``scale >= 0``.
+    ``keep [G, tok, n]`` bool or None (all visible); ``a = scale * log2(e) >= 0``.
     """
-    G, M, _ = q.shape
-    n = k.shape[1]
-    s = _scores(q, k)  # [G, M, n], matmul dtype
+    G, n, _ = k.shape
+    M = q.shape[1]
+    s_t = _scores_t(q, k)  # [G, n, M], matmul dtype
+    hidden = None
     if keep is not None:
-        s.view(G, M // heads, heads, n).masked_fill_(~keep[:, :, None, :], -math.inf)
-    m_blk = _scaled_max(s, scale, stat)
-    m_new = m_blk if state is None else torch.maximum(state.m, m_blk)
-    finite = torch.isfinite(m_new)
-    # The offset is rounded to the scores' dtype so the value subtracted below is exactly `off`.
-    off = torch.where(finite, m_new, 0.0).to(s.dtype)
-    p = torch.add(off.neg().unsqueeze(-1), s, alpha=scale, out=s)  # scale*s - off, float32 inside
-    if keep is not None and scale == 0.0:  # 0 * -inf: keep masked keys out explicitly
-        p.view(G, M // heads, heads, n).masked_fill_(~keep[:, :, None, :], -math.inf)
-    p.exp_()
-    l_blk = p.sum(-1, dtype=stat)
-    pv = _pv(p, k[..., :L])
-    off_f = off.to(stat)
-    m_state = torch.where(finite, off_f, -math.inf)
+        hidden = ~keep.transpose(1, 2)  # [G, n, tok]
+        s_t.view(G, n, M // heads, heads).masked_fill_(hidden.unsqueeze(-1), -math.inf)
+    prev = None if state is None else state.m
+    m = _offset(s_t, a, prev, hidden is not None, stat)
+    p, l_blk = _exponentiate(s_t, m, a, hidden, heads, stat)
+    if hidden is None and float(l_blk.max()) > SAFE_SUM:  # sampled offset too low: exact max
+        m = _offset(s_t, a, prev, True, stat)
+        p, l_blk = _exponentiate(s_t, m, a, hidden, heads, stat)
+    if p.dtype != s_t.dtype:  # bf16 probabilities for the second GEMM
+        p = _workspace("probs_mm", p.shape, s_t.dtype, p.device).copy_(p)
+    pv = _pv_t(p, k[..., :L])  # [G, M, L]
     if state is None:
-        return _State(m_state, l_blk, pv.to(stat))
-    alpha = torch.exp(state.m - off_f)  # 0 where nothing was seen yet
-    acc = state.acc.mul_(alpha.unsqueeze(-1)).add_(pv)
-    return _State(m_state, state.l.mul_(alpha).add_(l_blk), acc)
+        return _State(m, l_blk, pv)
+    used = torch.where(torch.isfinite(m), m, 0.0)
+    alpha = torch.exp2(state.m - used)  # 0 where nothing was seen yet
+    acc = state.acc if state.acc.dtype == stat else state.acc.to(stat)
+    acc.mul_(alpha.unsqueeze(-1)).add_(pv)
+    return _State(m, state.l.mul_(alpha).add_(l_blk), acc)
 
 
 def _finish(state: _State | None, shape: tuple[int, int, int], stat: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised ``(out [G, M, L], lse [G, M])``; rows without keys give 0 and -inf."""
+    """Normalised ``(out [G, M, L], lse [G, M])`` (lse in natural log); rows without keys give
+    0 and -inf."""
     if state is None:
         return torch.zeros(shape, dtype=stat, device=device), torch.full(shape[:2], -math.inf, dtype=stat, device=device)
     l = state.l
     seen = l > 0
-    out = state.acc.div_(torch.where(seen, l, 1.0).unsqueeze(-1))
-    lse = torch.where(seen, state.m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+    safe = torch.where(seen, l, 1.0)
+    out = torch.div(state.acc, safe.unsqueeze(-1)).to(stat)
+    lse = torch.where(seen, (state.m + torch.log2(safe)) * math.log(2.0), -math.inf)
     return out, lse
 
 
@@ -175,16 +244,37 @@ def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _blocks(lo: int, hi: int, size: int, align: int) -> Iterator[tuple[int, int]]:
-    """``[lo, hi)`` in blocks of at most ``size`` keys whose inner edges fall on multiples of
-    ``align`` (page boundaries), so a block gathers whole pages."""
-    k0 = lo
-    while k0 < hi:
-        k1 = min(hi, k0 + size)
-        if k1 < hi and align > 1 and (k1 // align) * align > k0:
-            k1 = (k1 // align) * align
-        yield k0, k1
-        k0 = k1
+def _blocks(lo: int, hi: int, size: int, align: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in the fewest near-equal blocks of at most about ``size`` keys; inner edges
+    fall on multiples of ``align`` (page boundaries) so a block gathers whole pages."""
+    n = hi - lo
+    if n <= 0:
+        return []
+    count = -(-n // size)
+    edges = [lo]
+    for i in range(1, count):
+        e = lo + (n * i) // count
+        e = max(edges[-1] + 1, (e // align) * align if align > 1 else e)
+        if e < hi:
+            edges.append(e)
+    edges.append(hi)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _raw_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted with 4-byte elements where possible: index_select copies 32-bit
+    elements about twice as fast as 16-bit ones (measured on this CPU)."""
+    if t.element_size() == 2 and t.shape[-1] % 2 == 0 and t.is_contiguous():
+        return t.view(torch.int32)
+    return t
+
+
+@dataclass
+class _SeqPages:
+    """One sequence's page ids and its long runs of physically consecutive pages."""
+
+    pages: torch.Tensor  # [num_pages] int64, logical page -> physical page
+    runs: list[tuple[int, int]]  # long logical page ranges [p0, p1) on consecutive physical pages
 
 
 class _PagedKeys:
@@ -194,39 +284,72 @@ class _PagedKeys:
         self.layer = batch.blocks[layer_idx]  # [pages, ps, D]
         self.ps = batch.page_size
         self.D = self.layer.shape[-1]
-        self.flat = self.layer.view(-1, self.D) if self.layer.is_contiguous() else None
+        contiguous = self.layer.is_contiguous()
+        self.flat = self.layer.view(-1, self.D) if contiguous else None
+        self.raw_pages = _raw_view(self.layer)
+        self.raw_rows = _raw_view(self.flat) if contiguous else None
         self.table = batch.block_table.to(self.layer.device, torch.int64)
         self.dtype = dtype
 
-    def sequence(self, b: int, kv_len: int) -> tuple[torch.Tensor, list[int]]:
-        """Page ids of sequence ``b`` and, per logical page, the id of its run of consecutive
-        physical pages (two pages with equal run ids are physically adjacent in order)."""
+    def sequence(self, b: int, kv_len: int) -> _SeqPages:
+        """Pages of sequence ``b`` and its runs of at least ``VIEW_MIN_KEYS`` keys on
+        consecutive physical pages (the only ones worth a block of their own)."""
         pages = self.table[b, : -(-kv_len // self.ps)]
-        runs = torch.cumsum(torch.cat([pages.new_zeros(1), (pages[1:] - pages[:-1] != 1).long()]), 0)
-        return pages, runs.tolist()
+        if self.flat is None or pages.shape[0] < 2:
+            return _SeqPages(pages, [(0, pages.shape[0])] if self.flat is not None else [])
+        breaks = torch.nonzero(pages[1:] - pages[:-1] != 1).flatten() + 1
+        edges = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), pages.shape[0])])
+        min_pages = max(1, -(-VIEW_MIN_KEYS // self.ps))
+        long = torch.nonzero(edges[1:] - edges[:-1] >= min_pages).flatten()
+        runs = [(int(a), int(b)) for a, b in zip(edges[long].tolist(), edges[long + 1].tolist())]
+        return _SeqPages(pages, runs)
 
-    def rows(self, pages: torch.Tensor, runs: list[int], k0: int, k1: int) -> torch.Tensor:
-        """Keys at positions ``[k0, k1)`` as ``[k1-k0, D]``: a view when their pages are
-        physically consecutive, else one page-level gather."""
+    def plan(self, seq: _SeqPages, lo: int, hi: int, size: int, views: bool) -> list[tuple[int, int, bool]]:
+        """Key blocks ``(k0, k1, is_view)`` covering ``[lo, hi)``: long physical runs become view
+        blocks (no copy), everything between them page-gathered blocks of about ``size`` keys."""
+        out: list[tuple[int, int, bool]] = []
+        cursor = lo
+        for p0, p1 in seq.runs if views else ():
+            a, b = max(cursor, p0 * self.ps), min(hi, p1 * self.ps)
+            if b - a < max(VIEW_MIN_KEYS, size // 2):
+                continue
+            out += [(x, y, False) for x, y in _blocks(cursor, a, size, self.ps)]
+            out += [(x, y, True) for x, y in _blocks(a, b, size, self.ps)]
+            cursor = b
+        out += [(x, y, False) for x, y in _blocks(cursor, hi, size, self.ps)]
+        return out
+
+    def _select(self, src: torch.Tensor, idx: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``src.index_select(0, idx)`` into scratch memory, returned in the cache dtype."""
+        buf = _workspace("keys", shape, self.layer.dtype, self.layer.device)
+        out = buf.view(src.dtype) if src.dtype != buf.dtype else buf
+        torch.index_select(src, 0, idx, out=out.view(idx.shape[0], *src.shape[1:]))
+        return buf
+
+    def _as_compute(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys if keys.dtype == self.dtype else keys.to(self.dtype)
+
+    def rows(self, seq: _SeqPages, k0: int, k1: int, view: bool) -> torch.Tensor:
+        """Keys at positions ``[k0, k1)`` as ``[k1-k0, D]``: a view of the cache (``view``, the
+        pages must be physically consecutive) or one page-level gather into scratch memory."""
         ps = self.ps
         j0, j1 = k0 // ps, (k1 - 1) // ps
         start = k0 - j0 * ps
-        if self.flat is not None and runs[j0] == runs[j1]:
-            base = int(pages[j0]) * ps + start
-            keys = self.flat[base : base + (k1 - k0)]
-        else:
-            keys = self.layer.index_select(0, pages[j0 : j1 + 1]).view(-1, self.D)[start : start + (k1 - k0)]
-        return keys if keys.dtype == self.dtype else keys.to(self.dtype)
+        if view:
+            base = int(seq.pages[j0]) * ps + start
+            return self._as_compute(self.flat[base : base + (k1 - k0)])
+        ids = seq.pages[j0 : j1 + 1]
+        keys = self._select(self.raw_pages, ids, (ids.shape[0], ps, self.D)).view(-1, self.D)
+        return self._as_compute(keys[start : start + (k1 - k0)])
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``[..., D]`` at physical row indices ``rows`` (any shape)."""
         flat_idx = rows.reshape(-1)
-        if self.flat is not None:
-            keys = self.flat.index_select(0, flat_idx)
+        if self.raw_rows is not None:
+            keys = self._select(self.raw_rows, flat_idx, (flat_idx.shape[0], self.D))
         else:
             keys = self.layer[flat_idx // self.ps, flat_idx % self.ps]
-        keys = keys.view(*rows.shape, self.D)
-        return keys if keys.dtype == self.dtype else keys.to(self.dtype)
+        return self._as_compute(keys.view(*rows.shape, self.D))
 
 
 @dataclass
@@ -250,8 +373,13 @@ class _Ctx:
 
 
 # Dense: every visible key of the sequence ---------------------------------------------
-def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, runs: list[int], row0: int, tok: int, p_lo: int, kv_len: int) -> None:
-    """Query tokens ``row0 .. row0+tok-1`` (positions ``p_lo ..``) of one sequence."""
+def _dense_chunk(ctx: _Ctx, seq: _SeqPages, row0: int, tok: int, p_lo: int, kv_len: int) -> None:
+    """Query tokens ``row0 .. row0+tok-1`` (positions ``p_lo ..``) of one sequence.
+
+    With few query rows the GEMMs stream keys too slowly from DRAM (bf16, M = 16: ~130
+    GFLOP/s on a view of the cache against ~250 on a freshly copied block), so keys are then
+    always copied; with many rows, long physical runs are used in place.
+    """
     H, L, mask = ctx.H, ctx.L, ctx.mask
     p_hi = p_lo + tok - 1
     lo, hi = mask.key_range(p_lo, p_hi, kv_len)
@@ -267,15 +395,15 @@ def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, runs: list[int], row0: int, tok
     results = []
     for a, e in _split(lo, hi, nparts):
         state = None
-        for k0, k1 in _blocks(a, e, block, ctx.keys.ps):
-            keys = ctx.keys.rows(pages, runs, k0, k1).unsqueeze(0)
+        for k0, k1, view in ctx.keys.plan(seq, a, e, block, views=M >= VIEW_MIN_ROWS):
+            keys = ctx.keys.rows(seq, k0, k1, view).unsqueeze(0)
             keep = None
             if k0 < all_lo or k1 > all_hi:
                 if q_pos is None:
                     q_pos = torch.arange(p_lo, p_hi + 1, device=q.device)
                 k_pos = torch.arange(k0, k1, device=q.device)
                 keep = mask.visible(q_pos[:, None], k_pos[None, :]).unsqueeze(0)
-            state = _block_step(state, q, keys, keep, H, ctx.scale, L, ctx.stat)
+            state = _block_step(state, q, keys, keep, H, ctx.scale * LOG2E, L, ctx.stat)
         results.append(_finish(state, (1, M, L), ctx.stat, q.device))
     o, lse = _merge(results)
     ctx.out[row0 : row0 + tok].view(M, L).copy_(o[0])
@@ -289,10 +417,10 @@ def _dense(ctx: _Ctx) -> None:
         if n == 0:
             continue
         kv_len = c + n
-        pages, runs = ctx.keys.sequence(b, kv_len)
+        seq = ctx.keys.sequence(b, kv_len)
         chunks = -(-n // tok_cap)
         for i0, i1 in _split(0, n, chunks):  # balanced query chunks
-            _dense_chunk(ctx, pages, runs, b_offs[b] + i0, i1 - i0, c + i0, kv_len)
+            _dense_chunk(ctx, seq, b_offs[b] + i0, i1 - i0, c + i0, kv_len)
 
 
 # Sparse: each query token's listed keys -----------------------------------------------
@@ -335,7 +463,7 @@ def _sparse(ctx: _Ctx, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor 
             state = None
             for k0, k1 in _blocks(a, e, block, 1):
                 keys = ctx.keys.gather(rows[:, k0:k1])
-                state = _block_step(state, q, keys, keep[:, None, k0:k1], H, ctx.scale, L, ctx.stat)
+                state = _block_step(state, q, keys, keep[:, None, k0:k1], H, ctx.scale * LOG2E, L, ctx.stat)
             results.append(_finish(state, (t1 - t0, H, L), ctx.stat, device))
         o, lse = _merge(results)
         ctx.out[t0:t1].copy_(o)
