@@ -43,6 +43,11 @@ KV_BUFFER_BYTES = 256 * 2**20
 MIN_BUFFER_ROWS = 256
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer this module fills completely comes from here (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 # Planning ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SeqWork:
@@ -238,11 +243,11 @@ def pack_keys(
     kTs, vs = [], []
     for a, b in zip(bounds, bounds[1:]):
         c0, c1 = a - col0, b - col0
-        kT = torch.empty(H, Dn + R, b - a, dtype=k_nope_T.dtype, device=k_nope_T.device)
+        kT = _alloc((H, Dn + R, b - a), k_nope_T.dtype, k_nope_T.device)
         kT[:, :Dn].copy_(k_nope_T[:, :, c0:c1])
         kT[:, Dn:].copy_(k_rope_T[:, c0:c1].unsqueeze(0).expand(H, -1, -1))
         kTs.append(kT)
-        vs.append(v[c0:c1].transpose(0, 1).contiguous())
+        vs.append(_alloc((H, b - a, v.shape[2]), v.dtype, v.device).copy_(v[c0:c1].transpose(0, 1)))
     return KeyBlocks(bounds, kTs, vs)
 
 
@@ -293,7 +298,7 @@ def pack_queries(q: torch.Tensor, q0: int, q1: int, block_m: int, scale: float, 
     out = []
     for a in range(q0, q1, block_m):
         b = min(a + block_m, q1)
-        blk = torch.empty(q.shape[1], b - a, q.shape[2], dtype=dtype, device=q.device)
+        blk = _alloc((q.shape[1], b - a, q.shape[2]), dtype, q.device)
         out.append(blk.copy_(q[a:b].transpose(0, 1)).mul_(scale))  # two plain passes beat one transposing mul
     return out
 
@@ -314,12 +319,16 @@ def gather_entries(batch: CacheBatch, layer_idx: int, spans: list[tuple[int, int
     return flat.index_select(0, torch.cat(rows).to(flat.device))
 
 
-def output_of(state: State, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised ``out [T, H, Dv]`` in ``dtype`` and float32 ``lse [T, H]``."""
+def output_of(
+    state: State, dtype: torch.dtype, attn_sink: torch.Tensor | None = None, batch: CacheBatch | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised ``out [T, H, Dv]`` in ``dtype`` (the sink applied, if any) and float32
+    ``lse [T, H]`` (without the sink)."""
     acc, lse = state.finish()
+    if attn_sink is not None:
+        _apply_sink(acc, lse, attn_sink, batch)
     H, T, Dv = acc.shape
-    out = torch.empty(T, H, Dv, dtype=dtype, device=acc.device)
-    out.copy_(acc.transpose(0, 1))
+    out = _alloc((T, H, Dv), dtype, acc.device).copy_(acc.transpose(0, 1))
     return out, lse.t().contiguous()
 
 
@@ -503,10 +512,4 @@ def prefill(
                     q_blocks[b] = pack_queries(q_rot, work.q0, work.q1, block_m, scale, dtype)
                 attend_sequence(q_blocks[b], kb, work, mask, block_m, state, fresh=fresh)
             del keys
-    out, lse = state.finish()
-    if attn_sink is not None:
-        _apply_sink(out, lse, attn_sink, batch)
-    H_, T_, _ = out.shape
-    result = torch.empty(T_, H_, Dv, dtype=dtype, device=out.device)
-    result.copy_(out.transpose(0, 1))
-    return result, lse.t().contiguous()
+    return output_of(state, dtype, attn_sink, batch)
