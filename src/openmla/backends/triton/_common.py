@@ -28,7 +28,6 @@ MASK_CODES = {
     MaskKind.CHUNKED_CAUSAL: 4,
 }
 
-LOG2E = 1.4426950408889634
 _ROUND_BF16_BY_HAND = tl.constexpr(INTERPRET)
 
 
@@ -37,11 +36,24 @@ def mask_args(mask: MaskVariant) -> tuple[int, int, int]:
     return MASK_CODES[mask.kind], int(mask.window_size or 1), int(mask.chunk_size or 1)
 
 
+def _interpreter_ready() -> bool:
+    """Triton builds its library functions (``tl.sum`` ...) for the mode it was first
+    imported in; the interpreter needs them built for interpretation."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
 def check_device(t: torch.Tensor) -> None:
     """CUDA tensors run compiled kernels; CPU tensors need Triton's interpreter."""
-    if t.device.type == "cpu" and not INTERPRET:
+    if t.device.type != "cpu":
+        return
+    if not INTERPRET:
         raise ValueError("backend: triton runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 set "
-                         "before openmla's triton backend is imported")
+                         "before triton is first imported")
+    if not _interpreter_ready():
+        raise ValueError("backend: triton was imported before TRITON_INTERPRET=1 was set (transformers imports "
+                         "it, for one); set the variable before the first import of triton")
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,3 +161,10 @@ def cast_to(x, dtype: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def natural_lse(m2, denom):
+    """Natural-log LSE from a base-2 running max ``m2`` and its sum ``denom`` (``-inf`` when 0)."""
+    has_key = denom > 0
+    return tl.where(has_key, (m2 + tl.log2(tl.where(has_key, denom, 1.0))) * 0.6931471805599453, float("-inf"))

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ...masks import MaskVariant
 from . import _common
-from ._common import find_sequence, key_range, next_pow2, physical_row, search_steps
+from ._common import find_sequence, key_range, natural_lse, next_pow2, physical_row, search_steps
 from .merge import merge_parts
 
 SPARSE_NONE, SPARSE_PHYSICAL, SPARSE_LOGICAL = 0, 1, 2
@@ -126,9 +126,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), k_lat, input_precision=PRECISION)
         m_i = m_new
 
-    has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, out stays 0
+    lse = natural_lse(m_i, l_i)
     part = split.to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
     tl.store(o_part_ptr + part + heads[:, None] * stride_ph + dl[None, :], out,
              mask=head_ok[:, None] & (dl[None, :] < L))

@@ -30,7 +30,7 @@ import triton.language as tl
 from ...cache import CacheBatch
 from ...masks import MaskVariant
 from . import _common
-from ._common import cast_to, key_range, next_pow2, physical_row
+from ._common import cast_to, key_range, natural_lse, next_pow2, physical_row
 from .merge import merge_parts
 
 
@@ -103,9 +103,8 @@ def _flare_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v, input_precision=PRECISION)
         m_i = m_new
 
-    has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, out stays 0
+    lse = natural_lse(m_i, l_i)
     rows_out = (q_start + i).to(tl.int64)
     tl.store(o_ptr + rows_out[:, None] * stride_ot + h * stride_oh + dv[None, :], cast_to(out, o_ptr.dtype.element_ty),
              mask=q_ok[:, None] & (dv[None, :] < DV))
