@@ -32,15 +32,19 @@ from ...masks import MaskVariant
 NEG_INF = float("-inf")
 F32 = torch.float32
 
-# Tiles measured on a 2-core Zen 4 (bench/bench_prefill.py): 128 query rows keep the causal
-# diagonal waste small; long key blocks keep bmm efficient and merges rare. The score block
-# (heads x block_m x block_n) is capped so it stays cache-resident for many heads.
-DEFAULT_BLOCK_M = 128
-DEFAULT_BLOCK_N = 1024
-SCORE_BLOCK_ELEMS = 2 * 2**20
+# Tiles measured on a 2-core Zen 4 (bench/bench_prefill.py, bench/RESULTS.md): 256 x 512 for up
+# to 32 heads; with more heads the score block (heads x block_m x block_n) is capped, query rows
+# first, so it stays cache resident (H=128: 128 x 256).
+DEFAULT_BLOCK_M = 256
+DEFAULT_BLOCK_N = 512
+MIN_BLOCK_M = 128
+SCORE_BLOCK_ELEMS = 4 * 2**20
 # Default chunk: the up-projected K/V buffer of one chunk stays around this many bytes.
 KV_BUFFER_BYTES = 256 * 2**20
 MIN_BUFFER_ROWS = 256
+# A key block of which a query block sees less than 1/SLICE_BELOW is sliced (copied) instead
+# of computed whole and masked.
+SLICE_BELOW = 4 / 3
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -71,8 +75,11 @@ def pick_tiles(tile, num_heads: int) -> tuple[int, int]:
     if tile is not None:
         return int(tile.block_m), int(tile.block_n)
     bm, bn = DEFAULT_BLOCK_M, DEFAULT_BLOCK_N
-    while num_heads * bm * bn > SCORE_BLOCK_ELEMS and bn > 256:
-        bn //= 2
+    while num_heads * bm * bn > SCORE_BLOCK_ELEMS and bn > 64:
+        if bm > MIN_BLOCK_M:
+            bm //= 2
+        else:
+            bn //= 2
     return bm, bn
 
 
@@ -283,8 +290,11 @@ def attend_sequence(
         while j < len(bounds) - 1 and bounds[j] < hi:
             a, b = max(lo, bounds[j]), min(hi, bounds[j + 1])
             kT, v = keys.kT[j], keys.v[j]
-            if (a, b) != (bounds[j], bounds[j + 1]):  # partly needed: slice (bmm packs a copy)
+            if (b - a) * SLICE_BELOW < bounds[j + 1] - bounds[j]:
+                # Mostly unseen: slice (bmm packs a copy of the slice) rather than compute it all.
                 kT, v = kT[:, :, a - bounds[j] : b - bounds[j]], v[:, a - bounds[j] : b - bounds[j]]
+            else:  # the whole packed block; the mask hides the keys this query block cannot see
+                a, b = bounds[j], bounds[j + 1]
             o, lse_b = attend_block(q_blk, kT, v, mask, q_pos, a, full)
             state.add(rows, o, lse_b, first)
             first = False
@@ -415,20 +425,31 @@ def up_project(
     num_heads: int,
     block_n: int,
 ) -> list[KeyBlocks]:
-    """Gather one chunk's cache rows, up-project them with two big matmuls and pack each
-    sequence's keys: ``K_nope^T = W_UK @ latent^T`` (``[H*Dn, S]``), ``V = latent @ W_UV^T``
-    (``[S, H*Dv]``). ``w_k [H*Dn, L]`` and ``w_v [H*Dv, L]`` in the compute dtype."""
+    """Gather one chunk's cache rows and up-project them straight into packed key blocks.
+
+    Per block of ``n`` keys, two matmuls: ``K_nope^T = W_UK @ latent^T`` (``[H*Dn, n]``, copied
+    next to the shared rope rows) and ``V^T = W_UV @ latent^T`` (``[H*Dv, n]``, used as is: its
+    transpose is a layout ``bmm`` takes without copying). ``w_k [H*Dn, L]`` and ``w_v [H*Dv, L]``
+    in the compute dtype."""
     H, L = num_heads, w_k.shape[1]
+    Dn, Dv = w_k.shape[0] // H, w_v.shape[0] // H
     entries = gather_entries(batch, layer_idx, [(b, w.k_pos, w.k_pos + w.k1 - w.k0) for b, w in works]).to(w_k.dtype)
-    S = entries.shape[0]
-    latent = entries[:, :L].contiguous()
-    k_nope_T = torch.mm(w_k, latent.t()).view(H, -1, S)
-    v = torch.mm(latent, w_v.t()).view(S, H, -1)
+    latent = entries[:, :L].contiguous()  # row slices of it are packed matmul operands
     rope_T = entries[:, L:].t()
+    R = rope_T.shape[0]
     out = []
     for _, w in works:
         bounds = block_bounds(w.k_pos, w.k_pos + w.k1 - w.k0, w.q_pos, block_n)
-        out.append(pack_keys(k_nope_T, rope_T, v, bounds, w.k_pos - w.k0))
+        kTs, vs = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            r0, r1 = a - w.k_pos + w.k0, b - w.k_pos + w.k0
+            lat_T = latent[r0:r1].t()
+            kT = _alloc((H, Dn + R, b - a), w_k.dtype, w_k.device)
+            kT[:, :Dn].copy_(torch.mm(w_k, lat_T).view(H, Dn, b - a))
+            kT[:, Dn:].copy_(rope_T[:, r0:r1].unsqueeze(0).expand(H, -1, -1))
+            kTs.append(kT)
+            vs.append(torch.mm(w_v, lat_T).view(H, Dv, b - a).transpose(1, 2))
+        out.append(KeyBlocks(bounds, kTs, vs))
     return out
 
 

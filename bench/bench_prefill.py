@@ -1,0 +1,253 @@
+"""Prefill benchmark of the torch CPU backend (bf16), against this machine's own matmul rate.
+
+Run: ``.venv/bin/python bench/bench_prefill.py [--reps N] [--no-memory] [--no-sdpa]``
+
+Cases (DeepSeek head dims: L=512, R=64, Dn=128, Dv=128; causal unless noted):
+- ``h16_2x2048``: H=16, 2 sequences x 2048 new tokens, no cache: ``openmla.mla_prefill`` and the
+  fused ``openmla.mla_prefill_decode_graph`` (adds the cache write and q rope);
+- ``h128_1x1024``: H=128 (DeepSeek-V3 unsharded), 1 x 1024 tokens;
+- ``h16_prefix``: H=16, 2 sequences x 512 new tokens after 3584 cached ones;
+- ``h16_swa``: H=16, 1 x 4096 tokens, sliding window 512 (block skipping).
+
+FLOPs counted: ``2*H*(Dn+R+Dv)`` per visible (query, key) pair (the causal half, not the full
+square) plus the K/V up-projection ``2*S*L*H*(Dn+Dv)`` of the keys read. The baseline is
+``torch.nn.functional.scaled_dot_product_attention`` on the already up-projected q/k/v (its math
+path: 192/128 head dims), credited with the same causal-half FLOPs.
+
+Timings are medians over ``--reps`` runs (min kept too); the bf16 2048^3 matmul rate is measured
+at the start and the end of the same run, with the load average, because the machine may be
+shared. The 32k-token chunked prefill (buffer_size 8192) runs in a subprocess that reports its
+peak RSS growth (``ru_maxrss`` after minus before the call). JSON goes to ``bench/out/prefill.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import openmla  # noqa: E402
+from openmla import PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out" / "prefill.json"
+DIMS = dict(L=512, R=64, Dn=128, Dv=128)
+
+
+def timeit(fn: Callable[[], object], reps: int) -> dict:
+    """Median and min wall time (s) of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "all_s": times}
+
+
+def matmul_rate(reps: int) -> dict:
+    """bf16 2048^3 torch.matmul rate, GFLOP/s (median and best)."""
+    a = torch.randn(2048, 2048).bfloat16()
+    b = torch.randn(2048, 2048).bfloat16()
+    for _ in range(3):  # let the clock and oneDNN's kernel cache settle
+        a @ b
+    t = timeit(lambda: a @ b, max(reps, 7))
+    flops = 2 * 2048**3
+    return {"median_gflops": flops / t["median_s"] / 1e9, "best_gflops": flops / t["min_s"] / 1e9}
+
+
+def machine() -> dict:
+    model = platform.processor()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+# Problems --------------------------------------------------------------------------------
+class Problem:
+    """A one-layer bf16 cache whose sequences already hold their cached + new tokens (random),
+    roped q, weights; callables for mla_prefill and the fused op."""
+
+    def __init__(self, heads: int, cached: list[int], new: list[int], page_size: int = 64, seed: int = 0,
+                 mask: str = "causal", window_size: int | None = None):
+        g = torch.Generator().manual_seed(seed)
+        L, R, Dn, Dv = DIMS["L"], DIMS["R"], DIMS["Dn"], DIMS["Dv"]
+        self.H, self.cached, self.new, self.mask, self.window = heads, cached, new, mask, window_size
+        pages = sum(-(-(c + n) // page_size) for c, n in zip(cached, new))
+        self.cache = PagedLatentCache(1, pages + 1, page_size=page_size, head_dim=L + R, dtype=torch.bfloat16)
+        self.cache.blocks.normal_(generator=g)
+        ids = list(range(len(new)))
+        if any(cached):
+            self.cache.commit(self.cache.prepare(ids, cached))
+        self.batch = self.cache.prepare(ids, new)
+        T = sum(new)
+        self.q = torch.randn(T, heads, Dn + R, generator=g, dtype=torch.bfloat16)
+        self.kv = torch.randn(T, L + R, generator=g, dtype=torch.bfloat16)
+        self.w_k = (torch.randn(heads * Dn, L, generator=g) * L**-0.5).bfloat16()
+        self.w_uk = self.w_k.view(heads, Dn, L).transpose(1, 2).contiguous()
+        self.w_uv = (torch.randn(heads, Dv, L, generator=g) * L**-0.5).bfloat16()
+        self.gamma = torch.ones(L, dtype=torch.bfloat16)
+        self.freqs = rope_freqs_cis(preset("deepseek-v3"), max(c + n for c, n in zip(cached, new)) + 1)
+        self.scale = (Dn + R) ** -0.5
+
+    def mask_kw(self) -> dict:
+        return {"mask": self.mask, "window_size": self.window}
+
+    def prefill(self, buffer_size: int | None = None):
+        return openmla.mla_prefill(self.q, self.batch, 0, self.w_k, self.w_uv, scale=self.scale,
+                                   buffer_size=buffer_size, backend="torch", **self.mask_kw())
+
+    def fused(self):
+        return openmla.mla_prefill_decode_graph(self.q, self.kv, self.batch.input_row_offsets, self.freqs, self.gamma,
+                                                self.batch, 0, self.w_k, self.w_uk, self.w_uv, scale=self.scale,
+                                                backend="torch", **self.mask_kw())
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the mask shows, summed over sequences."""
+        total = 0
+        for c, n in zip(self.cached, self.new):
+            for i in range(n):  # per token, but only integer arithmetic
+                p = c + i
+                lo = max(0, p - self.window + 1) if self.window else 0
+                total += p + 1 - lo
+        return total
+
+    def keys_read(self) -> int:
+        """Keys some query sees (the ones up-projected)."""
+        total = 0
+        for c, n in zip(self.cached, self.new):
+            lo = max(0, c - self.window + 1) if self.window else 0
+            total += c + n - lo
+        return total
+
+    def flops(self) -> dict:
+        L, Dn, Dv, R = DIMS["L"], DIMS["Dn"], DIMS["Dv"], DIMS["R"]
+        attn = 2 * self.H * (Dn + R + Dv) * self.visible_pairs()
+        proj = 2 * self.keys_read() * L * self.H * (Dn + Dv)
+        return {"attention": attn, "up_projection": proj, "total": attn + proj}
+
+
+def sdpa_baseline(heads: int, seqs: int, n: int, reps: int) -> dict:
+    """SDPA (math path for 192/128 dims) on already up-projected q/k/v, causal."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(seqs, heads, n, 192, generator=g, dtype=torch.bfloat16) * 192**-0.25
+    k = torch.randn(seqs, heads, n, 192, generator=g, dtype=torch.bfloat16) * 192**-0.25
+    v = torch.randn(seqs, heads, n, 128, generator=g, dtype=torch.bfloat16)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    t = timeit(fn, reps)
+    flops = 2 * heads * 320 * seqs * n * (n + 1) // 2
+    return {"shape": f"{seqs}x{n} tokens, H={heads}", "flops": flops, **t, "gflops": flops / t["median_s"] / 1e9}
+
+
+def run_case(name: str, prob: Problem, reps: int, mm: float, fused: bool) -> dict:
+    fl = prob.flops()
+    row = {"name": name, "heads": prob.H, "cached": prob.cached, "new": prob.new, "mask": prob.mask,
+           "window": prob.window, "flops": fl}
+    entries = [("mla_prefill", prob.prefill)] + ([("fused", prob.fused)] if fused else [])
+    for label, fn in entries:
+        t = timeit(fn, reps)
+        gf = fl["total"] / t["median_s"] / 1e9
+        row[label] = {**t, "gflops": gf, "gflops_best": fl["total"] / t["min_s"] / 1e9, "frac_of_matmul": gf / mm}
+        print(f"  {name:12s} {label:11s} {t['median_s'] * 1e3:9.1f} ms  {gf:6.1f} GFLOP/s  "
+              f"{gf / mm:5.3f} of matmul (best {fl['total'] / t['min_s'] / 1e9 / mm:5.3f})", flush=True)
+    return row
+
+
+# 32k chunked prefill memory (subprocess) -------------------------------------------------
+def memory_child(tokens: int, buffer_size: int, heads: int) -> None:
+    """Build the problem, then report the peak RSS growth of one chunked mla_prefill call."""
+    prob = Problem(heads, [0], [tokens], seed=3)
+    torch.manual_seed(0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    t0 = time.perf_counter()
+    out = prob.prefill(buffer_size=buffer_size)
+    secs = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fl = prob.flops()["total"]
+    print(json.dumps({"tokens": tokens, "buffer_size": buffer_size, "heads": heads, "seconds": secs,
+                      "gflops": fl / secs / 1e9, "peak_rss_before_mib": before / 1024,
+                      "peak_rss_after_mib": after / 1024, "peak_extra_mib": (after - before) / 1024,
+                      "output_mib": out.numel() * out.element_size() / 2**20,
+                      "finite": bool(torch.isfinite(out).all())}))
+
+
+def memory_run(tokens: int, buffer_size: int, heads: int) -> dict:
+    cmd = [sys.executable, __file__, "--memory-child", str(tokens), str(buffer_size), str(heads)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# Main --------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-memory", action="store_true", help="skip the 32k-token memory run")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
+    ap.add_argument("--memory-only", action="store_true", help="only the 32k-token memory run (prints, writes nothing)")
+    ap.add_argument("--memory-child", nargs=3, type=int, metavar=("TOKENS", "BUFFER", "HEADS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        memory_child(*args.memory_child)
+        return
+    if args.memory_only:
+        print(json.dumps(memory_run(32768, 8192, 16), indent=1))
+        return
+
+    info = machine()
+    info["load_before"] = os.getloadavg()
+    mm0 = matmul_rate(args.reps)
+    mm = mm0["median_gflops"]
+    print(f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}; load {info['load_before'][0]:.2f}")
+    print(f"bf16 2048^3 matmul: {mm:.0f} GFLOP/s median (best {mm0['best_gflops']:.0f})", flush=True)
+
+    cases = [
+        ("h16_2x2048", Problem(16, [0, 0], [2048, 2048]), True),
+        ("h128_1x1024", Problem(128, [0], [1024]), False),
+        ("h16_prefix", Problem(16, [3584, 3584], [512, 512]), False),
+        ("h16_swa", Problem(16, [0], [4096], mask="sliding_window_causal", window_size=512), False),
+    ]
+    rows = [run_case(name, prob, args.reps, mm, fused) for name, prob, fused in cases]
+    del cases
+
+    sdpa = None
+    if not args.no_sdpa:
+        # The math path materialises [H, n, n] float scores; 2 x 1024 keeps it to seconds.
+        sdpa = sdpa_baseline(16, 2, 1024, max(2, args.reps // 2))
+        ours = rows[0]["mla_prefill"]["gflops"]
+        sdpa["speedup_of_h16_2x2048"] = ours / sdpa["gflops"]
+        print(f"  SDPA baseline ({sdpa['shape']}): {sdpa['gflops']:.1f} GFLOP/s; "
+              f"mla_prefill h16_2x2048 is {sdpa['speedup_of_h16_2x2048']:.1f}x its rate", flush=True)
+
+    memory = None
+    if not args.no_memory:
+        memory = memory_run(32768, 8192, 16)
+        print(f"  32k tokens, buffer_size 8192, H=16: {memory['seconds']:.1f} s ({memory['gflops']:.0f} GFLOP/s), "
+              f"peak extra RSS {memory['peak_extra_mib']:.0f} MiB (output alone {memory['output_mib']:.0f} MiB)", flush=True)
+
+    mm1 = matmul_rate(args.reps)
+    info["load_after"] = os.getloadavg()
+    print(f"bf16 matmul at the end: {mm1['median_gflops']:.0f} GFLOP/s; load {info['load_after'][0]:.2f}")
+    result = {"machine": info, "matmul_start": mm0, "matmul_end": mm1, "cases": rows, "sdpa_baseline": sdpa,
+              "memory_32k": memory, "reps": args.reps}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
