@@ -1,22 +1,22 @@
 """torch backend: prefill (up-projected, MHA) attention, flash-attention style in plain PyTorch.
 
-Everything runs head-major so heads are the batch dim of ``bmm``: queries ``qh [H, T, Dq]``
-(pre-scaled by the softmax scale), transposed keys ``kT [H, Dq, S]`` (the Dn nope rows, then
-the R rope rows every head shares), values ``vh [H, S, Dv]``, and the running state
-``acc [H, T, Dv]`` / ``lse [H, T]`` (float32).
+Heads are the batch dim of every ``bmm``, and every operand is a packed tensor (torch's oneDNN
+``bmm`` copies any other layout first): queries in blocks ``[H, block_m, Dq]`` (pre-scaled by
+the softmax scale), keys transposed in blocks ``[H, Dq, n]`` (the Dn nope rows, then the R rope
+rows all heads share), values in blocks ``[H, n, Dv]``.
 
-Per sequence, blocks of ``block_m`` queries walk the keys the mask lets them see
-(``MaskVariant.key_range``) in blocks of ``block_n``; ``MaskVariant.visible`` is evaluated only
-on the key columns that are not visible to every query of the block. One key block costs two
-``bmm`` (scores, then P @ V, both in the input dtype with float32 accumulation) and one fused
-``torch.softmax`` (float32 inside). The block's log-sum-exp is recovered without another exp
-pass: the largest probability of a row is ``exp(max - lse) = exp(0) / sum``, so
-``lse = max(S) - log(max(P))``. Blocks and chunks then merge by LSE in float32.
+Per sequence, each block of ``block_m`` queries walks the key blocks its mask can show
+(``MaskVariant.key_range``); ``MaskVariant.visible`` is evaluated only on the key columns not
+visible to every query of the block. One key block costs two ``bmm`` (scores, then P @ V, in the
+input dtype; bf16 GEMMs accumulate in float32 and round once) and one fused ``torch.softmax``
+(float32 inside). The block's log-sum-exp needs no extra exp pass: a row's largest probability
+is ``exp(max - lse)``, so ``lse = max(S) - log(max(P))`` (both maxima read as integers, which is
+~10x faster than a bf16 reduction). Blocks fold into a float32 running state by LSE.
 
 ``prefill`` cuts the keys of the batch into chunks (``ops.mla_prefill_plan``), gathers each
-chunk's latent rows through the page table, up-projects them with two big matmuls and
-continues the same running state, so memory is bounded by ``buffer_size`` whatever the
-context length.
+chunk's latent rows through the page table, up-projects them block by block straight into the
+packed layout, and continues the same running state chunk after chunk, so memory is bounded by
+``buffer_size`` whatever the context length.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def pick_tiles(tile, num_heads: int) -> tuple[int, int]:
 
 
 def default_buffer_size(num_heads: int, q_depth: int, v_depth: int, latent: int, dtype: torch.dtype) -> int:
-    """Key rows per chunk so that the chunk's buffers (K^T, V, and the up-projection's
-    intermediate) stay near ``KV_BUFFER_BYTES``."""
+    """Key rows per chunk so that the chunk's up-projected keys and values (plus its gathered
+    latent rows) stay within ``KV_BUFFER_BYTES``."""
     elt = torch.empty((), dtype=dtype).element_size()
-    per_row = elt * (num_heads * (q_depth + 2 * v_depth) + latent)
+    per_row = elt * (num_heads * (q_depth + v_depth) + 2 * latent)
     return max(MIN_BUFFER_ROWS, KV_BUFFER_BYTES // per_row)
 
 
@@ -122,7 +122,7 @@ def row_max(s: torch.Tensor) -> torch.Tensor:
 def _mask_columns(s: torch.Tensor, mask: MaskVariant, q_pos: torch.Tensor, c0: int, c1: int, k_first: int) -> torch.Tensor:
     """Add -inf to the invisible scores of key positions ``c0..c1-1`` in place (``s [H, m, n]``
     holds keys from position ``k_first``). Returns the rows that see any of those keys."""
-    vis = mask.visible(q_pos[:, None], torch.arange(c0, c1)[None, :])  # [m, c1-c0]
+    vis = mask.visible(q_pos[:, None], torch.arange(c0, c1, device=q_pos.device)[None, :])  # [m, c1-c0]
     bias = torch.where(vis, 0.0, NEG_INF).to(s.dtype)
     s[:, :, c0 - k_first : c1 - k_first].add_(bias)  # an add broadcasts over heads faster than masked_fill_
     return vis.any(dim=1)
@@ -284,7 +284,7 @@ def attend_sequence(
         full = fully_visible(mask, p_lo, p_hi, work.kv_len)
         rows = slice(work.q0 + i0, work.q0 + i1)
         q_blk = q_blocks[i0 // block_m]
-        q_pos = torch.arange(p_lo, p_hi + 1)
+        q_pos = torch.arange(p_lo, p_hi + 1, device=q_blk.device)
         first = fresh
         j = bisect.bisect_right(bounds, lo) - 1
         while j < len(bounds) - 1 and bounds[j] < hi:
