@@ -30,13 +30,12 @@ from .cache_write import token_positions
 __all__ = ["absorb", "unabsorb", "decode", "pick_num_partitions"]
 
 # Tuning, measured on a 2-core Zen 4 in bf16 (bench/RESULTS.md). One block of scores holds at
-# most SCORE_BUDGET elements and spans at most MAX_BLOCK_KEYS keys.
-SCORE_BUDGET = 1 << 20
+# most SCORE_BUDGET elements (M=128 query rows: 2048 keys, so the float32 probabilities stay
+# L2-sized) and spans at most MAX_BLOCK_KEYS keys (M=16: one block for a 4K context).
+SCORE_BUDGET = 1 << 18
 MAX_BLOCK_KEYS = 8192
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one GEMM
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
-VIEW_MIN_KEYS = 512  # a run of consecutive physical pages shorter than this is copied
-VIEW_MIN_ROWS = 64  # below this many query rows even consecutive pages are copied (see _dense)
 ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
 SAFE_SUM = 2.0**64  # a block sum above this means the sampled offset was too low: redo exactly
 WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
@@ -271,70 +270,37 @@ def _raw_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.int32 if t.element_size() == 2 and t.shape[-1] % 2 == 0 and t.is_contiguous() else t.dtype
 
 
-@dataclass
-class _SeqPages:
-    """One sequence's page ids and its long runs of physically consecutive pages."""
-
-    pages: torch.Tensor  # [num_pages] int64, logical page -> physical page
-    runs: list[tuple[int, int]]  # long logical page ranges [p0, p1) on consecutive physical pages
-
-
 class _PagedKeys:
     """Key rows of one layer, fetched by logical position range of one sequence (dense path) or
-    by physical row (sparse path)."""
+    by physical row (sparse path), always copied into a reused scratch block.
+
+    Copying even physically consecutive pages pays: a GEMM streaming keys straight from a
+    DRAM-resident cache ran slower than the copy plus the GEMM on the cache-hot block (bf16,
+    2 cores: ~130 against ~250 GFLOP/s at M = 16, and a few % at M = 128).
+    """
 
     def __init__(self, batch: CacheBatch, layer_idx: int, dtype: torch.dtype) -> None:
         self.layer = batch.blocks[layer_idx]  # [pages, ps, D]
         self.ps = batch.page_size
         self.D = self.layer.shape[-1]
-        self.flat = self.layer.view(-1, self.D) if self.layer.is_contiguous() else None
         raw = _raw_dtype(self.layer)
         self.raw_pages = self.layer.view(raw) if raw != self.layer.dtype else self.layer
-        self.raw_rows = None if self.flat is None else self.raw_pages.view(-1, self.raw_pages.shape[-1])
+        contiguous = self.layer.is_contiguous()
+        self.raw_rows = self.raw_pages.view(-1, self.raw_pages.shape[-1]) if contiguous else None
         self.table = batch.block_table.to(self.layer.device, torch.int64)
         self.dtype = dtype
-
-    def sequence(self, b: int, kv_len: int, find_runs: bool) -> _SeqPages:
-        """Pages of sequence ``b`` and (``find_runs``) its runs of at least ``VIEW_MIN_KEYS`` keys
-        on consecutive physical pages, the only ones worth a block of their own."""
-        pages = self.table[b, : -(-kv_len // self.ps)]
-        if not find_runs or self.flat is None:
-            return _SeqPages(pages, [])
-        breaks = torch.nonzero(pages[1:] - pages[:-1] != 1).flatten() + 1
-        edges = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), pages.shape[0])])
-        long = torch.nonzero(edges[1:] - edges[:-1] >= max(1, -(-VIEW_MIN_KEYS // self.ps))).flatten()
-        return _SeqPages(pages, list(zip(edges[long].tolist(), edges[long + 1].tolist())))
-
-    def plan(self, seq: _SeqPages, lo: int, hi: int, size: int) -> list[tuple[int, int, bool]]:
-        """Key blocks ``(k0, k1, is_view)`` covering ``[lo, hi)``: long physical runs become view
-        blocks (no copy), everything between them page-gathered blocks of about ``size`` keys."""
-        out: list[tuple[int, int, bool]] = []
-        cursor = lo
-        for p0, p1 in seq.runs:
-            a, b = max(cursor, p0 * self.ps), min(hi, p1 * self.ps)
-            if b - a < max(VIEW_MIN_KEYS, size // 2):
-                continue
-            out += [(x, y, False) for x, y in _blocks(cursor, a, size, self.ps)]
-            out += [(x, y, True) for x, y in _blocks(a, b, size, self.ps)]
-            cursor = b
-        out += [(x, y, False) for x, y in _blocks(cursor, hi, size, self.ps)]
-        return out
 
     def _as_compute(self, keys: torch.Tensor) -> torch.Tensor:
         return keys if keys.dtype == self.dtype else keys.to(self.dtype)
 
-    def rows(self, seq: _SeqPages, k0: int, k1: int, view: bool) -> torch.Tensor:
-        """Keys at positions ``[k0, k1)`` as ``[k1-k0, D]``: a view of the cache (``view``: the
-        pages are physically consecutive) or one page-level gather into scratch memory."""
+    def rows(self, pages: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+        """Keys at positions ``[k0, k1)`` of the sequence owning ``pages`` (its page-table row),
+        ``[k1-k0, D]``, gathered page by page."""
         ps = self.ps
         j0, j1 = k0 // ps, (k1 - 1) // ps
-        start = k0 - j0 * ps
-        if view:
-            base = int(seq.pages[j0]) * ps + start
-            return self._as_compute(self.flat[base : base + (k1 - k0)])
-        n_pages = j1 + 1 - j0
+        start, n_pages = k0 - j0 * ps, j1 + 1 - j0
         raw = _workspace("keys", (n_pages, ps, self.raw_pages.shape[-1]), self.raw_pages.dtype, self.layer.device)
-        torch.index_select(self.raw_pages, 0, seq.pages[j0 : j1 + 1], out=raw)
+        torch.index_select(self.raw_pages, 0, pages[j0 : j1 + 1], out=raw)
         keys = _workspace("keys", (n_pages * ps, self.D), self.layer.dtype, self.layer.device)
         if start or k1 - k0 != n_pages * ps:
             keys = keys[start : start + (k1 - k0)]
@@ -372,7 +338,7 @@ class _Ctx:
 
 
 # Dense: every visible key of the sequence ---------------------------------------------------
-def _dense_chunk(ctx: _Ctx, seq: _SeqPages, row0: int, tok: int, p_lo: int, kv_len: int) -> None:
+def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, row0: int, tok: int, p_lo: int, kv_len: int) -> None:
     """Query tokens ``row0 .. row0+tok-1`` (positions ``p_lo ..``) of one sequence."""
     H, mask = ctx.H, ctx.mask
     p_hi = p_lo + tok - 1
@@ -390,9 +356,9 @@ def _dense_chunk(ctx: _Ctx, seq: _SeqPages, row0: int, tok: int, p_lo: int, kv_l
         a, e = part
         state = None
         for z0, z1, masked in ((a, min(e, all_lo), True), (max(a, all_lo), min(e, all_hi), False), (max(a, all_hi), e, True)):
-            for k0, k1, view in ctx.keys.plan(seq, z0, z1, block):
+            for k0, k1 in _blocks(z0, z1, block, ctx.keys.ps):
                 keep = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=q_t.device)[None, :]) if masked else None
-                state = _block_step(state, q_t, ctx.keys.rows(seq, k0, k1, view), keep, H, ctx.a, ctx.L, ctx.stat)
+                state = _block_step(state, q_t, ctx.keys.rows(pages, k0, k1), keep, H, ctx.a, ctx.L, ctx.stat)
         return state
 
     parts = _split(lo, hi, ctx.num_partitions or pick_num_partitions(hi - lo))
@@ -400,21 +366,15 @@ def _dense_chunk(ctx: _Ctx, seq: _SeqPages, row0: int, tok: int, p_lo: int, kv_l
 
 
 def _dense(ctx: _Ctx) -> None:
-    """Every sequence with new tokens, in query chunks of at most ``MAX_QUERY_ROWS`` rows.
-
-    With few query rows the GEMMs stream keys slowly straight from DRAM (bf16, M = 16: ~130
-    GFLOP/s on a view of the cache against ~250 on a freshly copied block), so keys are then
-    always copied; with many rows, long physical runs are used in place.
-    """
+    """Every sequence with new tokens, in balanced query chunks of at most ``MAX_QUERY_ROWS`` rows."""
     b_offs = ctx.batch.offsets_list
     tok_cap = max(1, MAX_QUERY_ROWS // ctx.H)
     for b, (c, n) in enumerate(zip(ctx.batch.cache_lengths_list, ctx.batch.new_tokens_list)):
         if n == 0:
             continue
-        chunks = _split(0, n, -(-n // tok_cap))  # balanced query chunks
-        seq = ctx.keys.sequence(b, c + n, find_runs=(chunks[0][1] - chunks[0][0]) * ctx.H >= VIEW_MIN_ROWS)
-        for i0, i1 in chunks:
-            _dense_chunk(ctx, seq, b_offs[b] + i0, i1 - i0, c + i0, c + n)
+        pages = ctx.keys.table[b]
+        for i0, i1 in _split(0, n, -(-n // tok_cap)):
+            _dense_chunk(ctx, pages, b_offs[b] + i0, i1 - i0, c + i0, c + n)
 
 
 # Sparse: each query token's listed keys -------------------------------------------------------
