@@ -71,7 +71,7 @@ def unpack_ds_mla(records: torch.Tensor, kv_lora_rank: int, dtype: torch.dtype =
     lat, sc, rope = ds_mla_views(records, kv_lora_rank)
     shape = lat.shape[:-1]
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    latent = lat.to(wide).reshape(*shape, -1, DS_MLA_GROUP) * sc[..., None].to(wide)
+    latent = lat.to(wide).reshape(*shape, kv_lora_rank // DS_MLA_GROUP, DS_MLA_GROUP) * sc[..., None].to(wide)  # 0 rows too
     return torch.cat([latent.reshape(*shape, kv_lora_rank).to(dtype), rope.to(dtype)], dim=-1)
 
 
