@@ -10,11 +10,13 @@ both skip whole key tiles and test single keys with two comparisons.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ...fp8 import FP8, FP8_MAX, ds_mla_views
 from ...masks import MaskKind, MaskVariant
 
 # Read once, like triton.jit does: TRITON_INTERPRET must be set before this backend is imported.
@@ -28,7 +30,12 @@ MASK_CODES = {
     MaskKind.CHUNKED_CAUSAL: 4,
 }
 
-_ROUND_BF16_BY_HAND = tl.constexpr(INTERPRET)
+_ROUND_BY_HAND = tl.constexpr(INTERPRET)
+
+# Cache formats as the kernels' ``FMT`` constexpr.
+FMT_NATIVE, FMT_E4M3, FMT_DS_MLA = 0, 1, 2
+FMT_CODES = {"native": FMT_NATIVE, "fp8_e4m3": FMT_E4M3, "fp8_ds_mla": FMT_DS_MLA}
+FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
 def mask_args(mask: MaskVariant) -> tuple[int, int, int]:
@@ -68,6 +75,72 @@ def cache_layer(batch, layer_idx: int) -> tuple[torch.Tensor, int]:
     if layer.stride(2) != 1 or layer.stride(0) != layer.shape[1] * layer.stride(1):
         raise ValueError("kv_collection.blocks: each layer's pages must be stored contiguously (row-major)")
     return layer, layer.stride(1)
+
+
+@dataclass
+class CacheViews:
+    """Typed, no-copy views of one layer's storage, as the kernels read and write it.
+
+    - ``latent [pages, page, L]``: the stored latent (native dtype, or float8_e4m3fn);
+    - ``rope [pages, page, R]``: the key rope part (native dtype, float8_e4m3fn, or bfloat16 for
+      fp8_ds_mla);
+    - ``scales [pages, page, L/128]`` float32: fp8_ds_mla's group scales (else any tensor, unused);
+    - ``kv_scale [1]`` float32: fp8_e4m3's layer scale, on the device (else any tensor, unused).
+      A pointer, not a host float: launches stay capturable in a CUDA graph.
+    - ``key_dtype``: a dtype every stored key value widens to exactly (None: any float type,
+      fp8_e4m3's values fit float16, bfloat16 and float32 alike).
+    Row strides are in elements of each view's own dtype.
+    """
+
+    fmt: int
+    latent: torch.Tensor
+    rope: torch.Tensor
+    scales: torch.Tensor
+    kv_scale: torch.Tensor
+    key_dtype: torch.dtype | None
+
+    def compute_dtype(self, q_dtype: torch.dtype) -> torch.dtype:
+        """dtype that picks tile configs with a query of ``q_dtype``: the native cache's dtype (as
+        before fp8 existed), else the ``tl.dot`` operand type (bfloat16/float16 when the query and
+        the widened keys share it, float32 otherwise)."""
+        if self.fmt == FMT_NATIVE:
+            return self.latent.dtype
+        key = self.key_dtype or q_dtype
+        return key if key == q_dtype and key in (torch.bfloat16, torch.float16) else torch.float32
+
+    def dot_dtype(self, *dtypes: torch.dtype) -> tl.dtype:
+        """``tl.dot`` operand type for inputs of ``dtypes`` (the query's first) and these keys."""
+        return dot_dtype(*dtypes, self.key_dtype or dtypes[0])
+
+
+def cache_views(layer: torch.Tensor, cache_format: str, kv_lora_rank: int, kv_scale: torch.Tensor | None = None
+                ) -> CacheViews:
+    """Views of ``layer [pages, page, width]`` (one layer of ``blocks``) for ``cache_format``.
+
+    ``kv_scale``: fp8_e4m3's float32 scale of this layer, a 1-element device tensor.
+    """
+    if layer.stride(2) != 1 or layer.stride(0) != layer.shape[1] * layer.stride(1):
+        raise ValueError("kv_collection.blocks: each layer's pages must be stored contiguously (row-major)")
+    L = kv_lora_rank
+    fmt = FMT_CODES[cache_format]
+    if fmt == FMT_DS_MLA:
+        if layer.dtype != torch.uint8:
+            raise ValueError(f"kv_collection.blocks: fp8_ds_mla records are uint8, got {layer.dtype}")
+        latent, scales, rope = ds_mla_views(layer, L)
+        return CacheViews(fmt, latent, rope, scales, scales, torch.bfloat16)
+    if fmt == FMT_E4M3:
+        if layer.dtype != FP8:
+            raise ValueError(f"kv_collection.blocks: fp8_e4m3 entries are float8_e4m3fn, got {layer.dtype}")
+        if kv_scale is None or kv_scale.numel() != 1:
+            raise ValueError("kv_collection.kv_scale: fp8_e4m3 needs this layer's float32 scale")
+        return CacheViews(fmt, layer[..., :L], layer[..., L:], layer, kv_scale, None)
+    return CacheViews(fmt, layer[..., :L], layer[..., L:], layer, layer, layer.dtype)
+
+
+def batch_views(batch, layer_idx: int, kv_lora_rank: int) -> CacheViews:
+    """``cache_views`` of a ``CacheBatch``'s layer (the layer's kv_scale as a device slice)."""
+    scale = batch.kv_scale[layer_idx: layer_idx + 1] if batch.cache_format == "fp8_e4m3" else None
+    return cache_views(batch.blocks[layer_idx], batch.cache_format, kv_lora_rank, scale)
 
 
 def as_index(t: torch.Tensor) -> torch.Tensor:
@@ -150,17 +223,51 @@ def key_range(q_pos, kv_len, MASK: tl.constexpr, window, chunk):
 
 
 @triton.jit
+def _e4m3_by_hand(x):
+    """float32 ``x`` in [-448, 448] -> float8_e4m3fn, round to nearest even, on the bits.
+
+    Normal range (|x| >= 2^-6): keep 3 mantissa bits (add ``0x7FFFF`` plus the lowest kept bit,
+    truncate; a carry moves into the exponent), re-bias the exponent from 127 to 7.
+    Subnormals (|x| < 2^-6, steps of 2^-9): the code is ``rint(|x| * 512)``, rounded to
+    even by the float32 add of 2^23 (8 there is the smallest normal, whose code is 8 too).
+    """
+    sign = (x.to(tl.uint32, bitcast=True) >> 24) & 0x80
+    a = tl.abs(x)
+    bits = a.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(a < 0.015625, sub, normal)
+    code = tl.minimum(code, 0x7E)  # 448 stays 448 (0x7F is NaN)
+    return (code | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def cast_to(x, dtype: tl.constexpr):
     """float32 ``x`` -> ``dtype``, rounding to nearest even as the GPU does.
 
     The interpreter truncates float32 -> bfloat16, so there the rounding is done on the bits:
-    adding ``0x7FFF`` plus the lowest kept bit, then truncating, is round-half-to-even.
+    adding ``0x7FFF`` plus the lowest kept bit, then truncating, is round-half-to-even. Its
+    float32 -> float8e4nv rounds half away from zero and loses carries and subnormals, so
+    that one is done on the bits too (``_e4m3_by_hand``; callers saturate to +-448 first).
+    The GPU converts with ``cvt.rn.satfinite``.
     """
-    if _ROUND_BF16_BY_HAND and dtype == tl.bfloat16:
+    if _ROUND_BY_HAND and dtype == tl.float8e4nv:
+        return _e4m3_by_hand(x)
+    if _ROUND_BY_HAND and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def quantize_e4m3(x, scale):
+    """float32 ``x / scale`` (IEEE division, as torch divides) saturated to +-448, as float8_e4m3fn:
+    the same bytes as ``openmla.fp8.quantize_e4m3``."""
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
+    return cast_to(y, tl.float8e4nv)
 
 
 @triton.jit

@@ -10,6 +10,11 @@
 | ``flare_mla_prefill`` | the flash kernel on given K/V (``prefill``) |
 
 Float64 inputs are computed in float32 (the kernels' accumulation type).
+
+FP8 caches (``CACHE_FORMATS``): the cache-write kernel quantises (fp8_e4m3: one float32 scale
+per layer; fp8_ds_mla: DeepSeek-V3.2's 656-byte record), decode and the prefill kernel's rope
+read dequantise in registers, and the prefill's latent gather dequantises with
+``CacheBatch.read_rows``. Outputs keep the query's dtype (ops gives bfloat16 for a float8 q).
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from .prefill import flare_mla_prefill
 from .prefill import prefill as _dense_prefill
 
 __all__ = ["write_cache", "absorb", "unabsorb", "decode", "prefill", "flare_mla_prefill"]
+
+# Cache formats the kernels read and write (see ``openmla.fp8``): quantised in the cache-write
+# kernel, dequantised in registers by decode and prefill.
+CACHE_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
 
 
 def absorb(q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -53,15 +62,18 @@ def decode(q_abs: torch.Tensor, batch: CacheBatch, layer_idx: int, *, scale: flo
             max_keys = int(sparse_indices.shape[1])
         else:
             max_keys = max(batch.seq_lens_list, default=0)
-        block_h = decode_config(batch.blocks.dtype, q_abs.device, q_abs.shape[1])["BLOCK_H"]
+        key_dtype = _common.batch_views(batch, layer_idx, kv_lora_rank).compute_dtype(q_abs.dtype)
+        block_h = decode_config(key_dtype, q_abs.device, q_abs.shape[1], batch.cache_format)["BLOCK_H"]
         num_partitions = default_num_splits(q_abs.shape[0], q_abs.shape[1], max_keys, q_abs.device, block_h)
     layer, _ = _common.cache_layer(batch, layer_idx)
+    kv_scale = batch.kv_scale[layer_idx: layer_idx + 1] if batch.cache_format == "fp8_e4m3" else None
     return decode_into(
         q_abs, layer, _common.as_index(batch.block_table), _common.as_index(batch.cache_lengths),
         _common.as_index(batch.input_row_offsets), batch.page_size, scale=scale, kv_lora_rank=kv_lora_rank, mask=mask,
         sparse_indices=None if sparse_indices is None else _common.as_index(sparse_indices),
         topk_lengths=None if topk_lengths is None else _common.as_index(topk_lengths),
         physical_indices=physical_indices, attn_sink=attn_sink, num_splits=num_partitions,
+        cache_format=batch.cache_format, kv_scale=kv_scale,
     )
 
 

@@ -5,6 +5,14 @@ Grid ``(T, cdiv(H, BLOCK_H))``: program ``(t, j)`` rotates the rope part of head
 also normalises ``kv[t]``'s latent, rotates its key rope part and stores the 576-wide
 entry at the token's physical cache row. Everything is computed in float32.
 
+Cache formats (``FMT``), quantised in the kernel to the bytes ``CacheBatch.write_rows``
+stores for the same float32 entry:
+- native: the entry in the cache's dtype;
+- fp8_e4m3: ``clamp(x / kv_scale[layer], -448, 448)`` as float8_e4m3fn, latent and rope;
+- fp8_ds_mla: per 128-value group of the latent, ``scale = amax / 448`` (1 for an all-zero
+  group), ``clamp(x / scale)`` as float8_e4m3fn, the float32 scales, and the rope part as
+  bfloat16; written through three typed views of the uint8 record (``openmla.fp8.ds_mla_views``).
+
 RoPE pairs: interleaved ``(x[2i], x[2i+1])`` (DeepSeek) or half-split ``(x[i], x[i+R/2])``;
 either way pair ``i`` turns by ``(freqs_cis[p, 2i], freqs_cis[p, 2i+1]) = (cos, sin)``.
 """
@@ -16,8 +24,9 @@ import triton
 import triton.language as tl
 
 from ...cache import CacheBatch
+from ...fp8 import DS_MLA_GROUP
 from . import _common
-from ._common import cast_to, find_sequence, next_pow2, physical_row, search_steps
+from ._common import FP8_MAX_C, cast_to, find_sequence, next_pow2, physical_row, quantize_e4m3, search_steps
 
 
 @triton.jit
@@ -35,13 +44,15 @@ def _rope_pair_index(HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: 
 
 @triton.jit
 def _cache_write_kernel(
-    q_ptr, q_out_ptr, kv_ptr, freqs_ptr, gamma_ptr, cache_ptr,
+    q_ptr, q_out_ptr, kv_ptr, freqs_ptr, gamma_ptr, lat_ptr, rope_ptr, scales_ptr, kv_scale_ptr,
     block_table_ptr, cache_lens_ptr, offsets_ptr,
     num_seqs, num_heads, page_size, eps,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kvt, stride_freqs, stride_bt, stride_row,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kvt, stride_freqs, stride_bt,
+    stride_lat, stride_rope, stride_scales,
     L: tl.constexpr, R: tl.constexpr, DN: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, STEPS: tl.constexpr,
+    FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -79,15 +90,35 @@ def _cache_write_kernel(
         x = tl.load(kv_row + lane, mask=lane_ok, other=0.0).to(tl.float32)
         gamma = tl.load(gamma_ptr + lane, mask=lane_ok, other=0.0).to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+        y = x * inv_rms * gamma
         row = physical_row(block_table_ptr + seq.to(tl.int64) * stride_bt, pos, page_size, True)
-        dst = cache_ptr + row * stride_row
-        cache_ty = cache_ptr.dtype.element_ty
-        tl.store(dst + lane, cast_to(x * inv_rms * gamma, cache_ty), mask=lane_ok)
+        lat_dst = lat_ptr + row * stride_lat
+        rope_dst = rope_ptr + row * stride_rope
         # Key rope part, rotated like q's.
         ka = tl.load(kv_row + L + a_idx, mask=pair_ok, other=0.0).to(tl.float32)
         kb = tl.load(kv_row + L + b_idx, mask=pair_ok, other=0.0).to(tl.float32)
-        tl.store(dst + L + a_idx, cast_to(ka * cos - kb * sin, cache_ty), mask=pair_ok)
-        tl.store(dst + L + b_idx, cast_to(ka * sin + kb * cos, cache_ty), mask=pair_ok)
+        ra = ka * cos - kb * sin
+        rb = ka * sin + kb * cos
+        if FMT == 0:  # native
+            cache_ty = lat_ptr.dtype.element_ty
+            tl.store(lat_dst + lane, cast_to(y, cache_ty), mask=lane_ok)
+            tl.store(rope_dst + a_idx, cast_to(ra, cache_ty), mask=pair_ok)
+            tl.store(rope_dst + b_idx, cast_to(rb, cache_ty), mask=pair_ok)
+        elif FMT == 1:  # fp8_e4m3: one scale per layer for the whole entry
+            kv_scale = tl.load(kv_scale_ptr)
+            tl.store(lat_dst + lane, quantize_e4m3(y, kv_scale), mask=lane_ok)
+            tl.store(rope_dst + a_idx, quantize_e4m3(ra, kv_scale), mask=pair_ok)
+            tl.store(rope_dst + b_idx, quantize_e4m3(rb, kv_scale), mask=pair_ok)
+        else:  # fp8_ds_mla: a scale per GROUP latent values, the rope part in bfloat16
+            y2 = tl.reshape(y, (BLOCK_G, GROUP))  # BLOCK_L == BLOCK_G * GROUP; padded lanes are 0
+            g = tl.arange(0, BLOCK_G)
+            amax = tl.max(tl.abs(y2), axis=1)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX_C), 1.0)
+            col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            tl.store(lat_dst + col, quantize_e4m3(y2, scale[:, None]), mask=col < L)
+            tl.store(scales_ptr + row * stride_scales + g, scale, mask=g * GROUP < L)
+            tl.store(rope_dst + a_idx, cast_to(ra, tl.bfloat16), mask=pair_ok)
+            tl.store(rope_dst + b_idx, cast_to(rb, tl.bfloat16), mask=pair_ok)
 
 
 def write_cache(
@@ -117,18 +148,19 @@ def write_cache(
     q = q.contiguous() if q.stride(2) != 1 else q
     kv = kv.contiguous()
     freqs = freqs_cis.to(torch.float32).contiguous()
-    layer, row_stride = _common.cache_layer(batch, layer_idx)
+    views = _common.batch_views(batch, layer_idx, L)
     block_table = _common.as_index(batch.block_table)
     BLOCK_H = min(16, triton.next_power_of_2(H))
     grid = (T, triton.cdiv(H, BLOCK_H))
     _cache_write_kernel[grid](
-        q, q_out, kv, freqs, kv_norm_gamma.contiguous(), layer,
+        q, q_out, kv, freqs, kv_norm_gamma.contiguous(), views.latent, views.rope, views.scales, views.kv_scale,
         block_table, _common.as_index(batch.cache_lengths), _common.as_index(batch.input_row_offsets),
         batch.batch_size, H, batch.page_size, float(epsilon),
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), freqs.stride(0),
-        block_table.stride(0), row_stride,
+        block_table.stride(0), views.latent.stride(1), views.rope.stride(1), views.scales.stride(1),
         L=L, R=R, DN=DN,
         BLOCK_L=next_pow2(L, 1), BLOCK_HALF=next_pow2(R // 2, 1), BLOCK_DN=next_pow2(DN, 1), BLOCK_H=BLOCK_H,
         INTERLEAVED=bool(interleaved), STEPS=search_steps(batch.batch_size),
+        FMT=views.fmt, GROUP=DS_MLA_GROUP, BLOCK_G=max(1, next_pow2(L, 1) // DS_MLA_GROUP),
     )
     return q_out

@@ -17,6 +17,13 @@ position, so multi-token decode is causal among them); sparse, the entries of it
 as logical positions that must also lie in ``[lo, hi)``. A row with no visible key gives
 zeros and LSE ``-inf``.
 
+FP8 caches: fp8_e4m3 runs ``_decode_split_kernel`` on the float8 entries (they widen
+exactly to the dot type) and applies the layer's ``kv_scale`` to the float32 logits and
+output; fp8_ds_mla runs ``_decode_split_ds_mla_kernel``, which keeps the latent in groups of
+128 so each group's float32 scale multiplies that group's float32 partial scores and the
+probabilities it weights (the bf16 rope part enters unscaled). Softmax and accumulation are
+float32 for every format.
+
 CUDA graphs: ``decode_into`` reads nothing from the host: the sequence of each row, its
 position and key range are computed in the kernel from the device ``input_row_offsets``,
 ``cache_lengths`` and ``block_table`` (and ``topk_lengths``), and the grid depends only on
@@ -33,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...fp8 import DS_MLA_GROUP
 from ...masks import MaskVariant
 from . import _common
 from ._common import find_sequence, key_range, natural_lse, next_pow2, physical_row, search_steps
@@ -42,25 +50,11 @@ SPARSE_NONE, SPARSE_PHYSICAL, SPARSE_LOGICAL = 0, 1, 2
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, cache_ptr, block_table_ptr, cache_lens_ptr, offsets_ptr, sparse_ptr, topk_ptr,
-    o_part_ptr, lse_part_ptr,
-    num_seqs, num_heads, num_splits, page_size, sm_scale_log2, window, chunk, sparse_width,
-    stride_qt, stride_qh, stride_row, stride_bt, stride_sparse_t,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    L: tl.constexpr, R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr, STEPS: tl.constexpr,
-    DOT_T: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # Axis 0 enumerates (token, head block) with head blocks fastest; it allows 2^31 - 1
-    # programs where axis 1 would stop at 65535 tokens (sparse prefill sends many).
-    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    head_block = tl.program_id(0) % num_head_blocks
-    t = tl.program_id(0) // num_head_blocks
-    split = tl.program_id(1)
-
-    # Which sequence this row belongs to, its position, and the keys its mask shows.
+def _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs, num_splits, window, chunk,
+                sparse_width, stride_bt, MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr,
+                BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
+    """Row ``t``'s visible key range ``[lo, hi)``, its page-table row, and the items
+    ``[start, end)`` (key positions, or slots of the sparse row) that ``split`` walks."""
     seq = find_sequence(offsets_ptr, t, num_seqs, STEPS)
     row_start = tl.load(offsets_ptr + seq)
     cache_len = tl.load(cache_lens_ptr + seq)
@@ -69,8 +63,6 @@ def _decode_split_kernel(
     lo, hi = key_range(q_pos, kv_len, MASK, window, chunk)
     hi = tl.maximum(hi, lo)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
-
-    # The items this split walks: key positions (dense) or slots of the sparse row.
     if SPARSE == 0:
         first = lo
         count = hi - lo
@@ -82,6 +74,56 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(count, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = first + split * per_split
     end = tl.minimum(start + per_split, first + count)
+    return lo, hi, table, start, end
+
+
+@triton.jit
+def _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical cache rows (int64) of the tile's items starting at ``n0``, and which are keys."""
+    items = n0 + tl.arange(0, BLOCK_N)
+    in_split = items < end
+    if SPARSE == 0:
+        valid = in_split
+        rows = physical_row(table, items, page_size, valid)
+    elif SPARSE == 1:
+        idx = tl.load(sparse_row + items, mask=in_split, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+    else:
+        idx = tl.load(sparse_row + items, mask=in_split, other=-1)
+        valid = (idx >= lo) & (idx < hi)  # lo >= 0, so -1 slots fail too
+        rows = physical_row(table, tl.where(valid, idx, 0), page_size, valid)
+    return rows, valid
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, lat_ptr, rope_ptr, kv_scale_ptr, block_table_ptr, cache_lens_ptr, offsets_ptr, sparse_ptr, topk_ptr,
+    o_part_ptr, lse_part_ptr,
+    num_seqs, num_heads, num_splits, page_size, sm_scale_log2, window, chunk, sparse_width,
+    stride_qt, stride_qh, stride_lat, stride_rope, stride_bt, stride_sparse_t,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    L: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr, STEPS: tl.constexpr,
+    KV_SCALED: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Axis 0 enumerates (token, head block) with head blocks fastest; it allows 2^31 - 1
+    # programs where axis 1 would stop at 65535 tokens (sparse prefill sends many).
+    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    head_block = tl.program_id(0) % num_head_blocks
+    t = tl.program_id(0) // num_head_blocks
+    split = tl.program_id(1)
+    lo, hi, table, start, end = _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs,
+                                            num_splits, window, chunk, sparse_width, stride_bt, MASK, SPARSE, HAS_TOPK,
+                                            BLOCK_N, STEPS)
+
+    # fp8_e4m3 keys are ``stored * kv_scale`` with one scale for the whole entry: the stored
+    # values widen exactly to DOT_T, and the scale multiplies the float32 scores and output.
+    qk_scale = sm_scale_log2
+    if KV_SCALED:
+        kv_scale = tl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
 
     # This token's absorbed query for a block of heads, split into latent and rope parts.
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -97,26 +139,15 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
     sparse_row = sparse_ptr + t.to(tl.int64) * stride_sparse_t
     for n0 in range(start, end, BLOCK_N):
-        items = n0 + tl.arange(0, BLOCK_N)
-        in_split = items < end
-        if SPARSE == 0:
-            valid = in_split
-            rows = physical_row(table, items, page_size, valid)
-        elif SPARSE == 1:
-            idx = tl.load(sparse_row + items, mask=in_split, other=-1)
-            valid = idx >= 0
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-        else:
-            idx = tl.load(sparse_row + items, mask=in_split, other=-1)
-            valid = (idx >= lo) & (idx < hi)  # lo >= 0, so -1 slots fail too
-            rows = physical_row(table, tl.where(valid, idx, 0), page_size, valid)
-        key = cache_ptr + rows[:, None] * stride_row
-        k_lat = tl.load(key + dl[None, :], mask=valid[:, None] & (dl[None, :] < L), other=0.0).to(DOT_T)
-        k_rope = tl.load(key + L + dr[None, :], mask=valid[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
+        rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE, BLOCK_N)
+        k_lat = tl.load(lat_ptr + rows[:, None] * stride_lat + dl[None, :], mask=valid[:, None] & (dl[None, :] < L),
+                        other=0.0).to(DOT_T)
+        k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :], mask=valid[:, None] & (dr[None, :] < R),
+                         other=0.0).to(DOT_T)
 
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))  # base-2 logits
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # base-2 logits
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
@@ -127,10 +158,84 @@ def _decode_split_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, out stays 0
+    if KV_SCALED:
+        out = out * kv_scale
     lse = natural_lse(m_i, l_i)
     part = split.to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
     tl.store(o_part_ptr + part + heads[:, None] * stride_ph + dl[None, :], out,
              mask=head_ok[:, None] & (dl[None, :] < L))
+    tl.store(lse_part_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def _decode_split_ds_mla_kernel(
+    q_ptr, lat_ptr, rope_ptr, scales_ptr, block_table_ptr, cache_lens_ptr, offsets_ptr, sparse_ptr, topk_ptr,
+    o_part_ptr, lse_part_ptr,
+    num_seqs, num_heads, num_splits, page_size, sm_scale_log2, window, chunk, sparse_width,
+    stride_qt, stride_qh, stride_lat, stride_rope, stride_scales, stride_bt, stride_sparse_t,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    L: tl.constexpr, R: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+    MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr, STEPS: tl.constexpr,
+    DOT_T: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``_decode_split_kernel`` over fp8_ds_mla records: the latent is held as ``BLOCK_G``
+    groups of ``GROUP`` values (3-D tiles, group first) so each group's float32 scale can act
+    on float32 results: ``score = sum_g scale_g * (q_g . fp8_g) + q_rope . rope`` and
+    ``acc_g += (p * scale_g) @ fp8_g``. The fp8 values widen exactly to DOT_T (no rounding
+    of a dequantised product); the rope part is bfloat16."""
+    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    head_block = tl.program_id(0) % num_head_blocks
+    t = tl.program_id(0) // num_head_blocks
+    split = tl.program_id(1)
+    lo, hi, table, start, end = _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs,
+                                            num_splits, window, chunk, sparse_width, stride_bt, MASK, SPARSE, HAS_TOPK,
+                                            BLOCK_N, STEPS)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g * GROUP < L
+    col = g[:, None, None] * GROUP + tl.arange(0, GROUP)[None, None, :]  # [BLOCK_G, 1, GROUP] latent column
+    dr = tl.arange(0, BLOCK_R)
+    q_base = q_ptr + t.to(tl.int64) * stride_qt
+    q_lat = tl.load(q_base + heads[None, :, None] * stride_qh + col, mask=g_ok[:, None, None] & head_ok[None, :, None],
+                    other=0.0).to(DOT_T)  # [BLOCK_G, BLOCK_H, GROUP]
+    q_rope = tl.load(q_base + heads[:, None] * stride_qh + L + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < R),
+                     other=0.0).to(DOT_T)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_H, GROUP), tl.float32)
+    sparse_row = sparse_ptr + t.to(tl.int64) * stride_sparse_t
+    for n0 in range(start, end, BLOCK_N):
+        rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE, BLOCK_N)
+        k_lat = tl.load(lat_ptr + rows[None, :, None] * stride_lat + col,
+                        mask=g_ok[:, None, None] & valid[None, :, None], other=0.0).to(DOT_T)  # [BLOCK_G, BLOCK_N, GROUP]
+        k_scale = tl.load(scales_ptr + rows[None, :] * stride_scales + g[:, None], mask=g_ok[:, None] & valid[None, :],
+                          other=0.0)  # [BLOCK_G, BLOCK_N] float32
+        k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :], mask=valid[:, None] & (dr[None, :] < R),
+                         other=0.0).to(DOT_T)
+
+        s_g = tl.dot(q_lat, tl.trans(k_lat, (0, 2, 1)), input_precision=PRECISION)  # [BLOCK_G, BLOCK_H, BLOCK_N]
+        s = tl.sum(s_g * k_scale[:, None, :], axis=0)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))  # base-2 logits
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_g = (p[None, :, :] * k_scale[:, None, :]).to(DOT_T)
+        acc = acc * alpha[None, :, None] + tl.dot(p_g, k_lat, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :, None]  # no key: acc is 0, out stays 0
+    lse = natural_lse(m_i, l_i)
+    part = split.to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
+    tl.store(o_part_ptr + part + heads[None, :, None] * stride_ph + col, out,
+             mask=g_ok[:, None, None] & head_ok[None, :, None])
     tl.store(lse_part_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + heads, lse, mask=head_ok)
 
 
@@ -140,17 +245,25 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: a few splits still exercise the merge
 
 
-def decode_config(dtype: torch.dtype, device: torch.device, num_heads: int = 16) -> dict:
+def decode_config(dtype: torch.dtype, device: torch.device, num_heads: int = 16, cache_format: str = "native") -> dict:
     """Tile sizes and launch settings of stage 1 (BLOCK_H/BLOCK_N >= 16 for ``tl.dot``).
 
-    The GPU choices compile for sm_90 without register spills (checked with ptxas): 16 heads
-    x 32 keys on 4 warps; 32 heads x 32 keys on 8 warps when there are more than 16 heads
-    (half the key re-reads across head blocks). Not yet tuned by measurement.
+    ``dtype``: the compute type (``CacheViews.compute_dtype``). Native caches: 16 heads x 32 keys
+    on 4 warps; 32 heads x 32 keys on 8 warps when there are more than 16 heads (half the key
+    re-reads across head blocks). FP8 caches with half-precision dots need 8 warps to stay
+    spill-free on sm_90 (the fp8 -> bf16 widening and, for fp8_ds_mla, the per-group partial
+    scores take registers): e4m3 16x32 / 32x32, ds_mla 16x32 / 32x16 (ptxas, no spill stack).
+    float32 dots: 16 x 16, one stage, on 4 warps (8 for fp8_ds_mla). Not yet tuned by measurement.
     """
     if device.type != "cuda":
         return dict(BLOCK_H=16, BLOCK_N=16)
     if dtype in (torch.float32, torch.float64):
-        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=8 if cache_format == "fp8_ds_mla" else 4, num_stages=1)
+    if cache_format == "fp8_e4m3":
+        return dict(BLOCK_H=32 if num_heads > 16 else 16, BLOCK_N=32, num_warps=8, num_stages=2)
+    if cache_format == "fp8_ds_mla":
+        return dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=2) if num_heads > 16 else \
+            dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2)
     if num_heads > 16:
         return dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
@@ -189,11 +302,15 @@ def decode_into(
     lse: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: dict | None = None,
+    cache_format: str = "native",
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode without host reads (the CUDA-graph-capturable entry; no argument checks).
 
-    ``q [T, H, L+R]`` absorbed and roped; ``cache_layer [num_pages, page_size, L+R]``
-    (contiguous); ``block_table [B, max_pages]``, ``cache_lengths [B]``,
+    ``q [T, H, L+R]`` absorbed and roped; ``cache_layer [num_pages, page_size, width]``
+    (contiguous) in ``cache_format``: native entries ``L+R`` wide, fp8_e4m3 (float8_e4m3fn
+    entries; ``kv_scale``: this layer's float32 scale as a 1-element device tensor) or
+    fp8_ds_mla (uint8 records); ``block_table [B, max_pages]``, ``cache_lengths [B]``,
     ``input_row_offsets [B+1]`` int32 on q's device; ``sparse_indices [T, stride]`` int32
     (``topk_lengths [B]``). Returns ``out [T, H, L]`` (q's dtype unless ``out`` is given) and
     float32 ``lse [T, H]``. ``workspace`` = (``o_part [S, T, H, L]``, ``lse_part [S, T, H]``)
@@ -211,8 +328,7 @@ def decode_into(
     if T == 0:
         return out, lse
     # Layout the kernels index with unit inner strides (host-side shape facts: no sync).
-    if cache_layer.stride(2) != 1 or cache_layer.stride(0) != cache_layer.shape[1] * cache_layer.stride(1):
-        raise ValueError("cache_layer: pages must be stored contiguously (row-major)")
+    views = _common.cache_views(cache_layer, cache_format, L, kv_scale)
     if o_part.stride(3) != 1 or lse_part.stride(2) != 1 or out.stride(2) != 1 or lse.stride(1) != 1:
         raise ValueError("workspace/out/lse: the last dimension must be contiguous")
     if q.stride(2) != 1:
@@ -223,22 +339,32 @@ def decode_into(
         sparse_mode = SPARSE_PHYSICAL if physical_indices else SPARSE_LOGICAL
         sparse = sparse_indices
     mask_code, window, chunk = _common.mask_args(mask)
-    dot_t = _common.dot_dtype(q.dtype, cache_layer.dtype)
-    cfg = dict(config) if config is not None else decode_config(cache_layer.dtype, dev, H)
+    dot_t = views.dot_dtype(q.dtype)
+    cfg = dict(config) if config is not None else decode_config(views.compute_dtype(q.dtype), dev, H, cache_format)
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     B = cache_lengths.shape[0]
     grid = (triton.cdiv(H, block_h) * T, num_splits)
-    _decode_split_kernel[grid](
-        q, cache_layer, block_table, cache_lengths, input_row_offsets, sparse,
-        topk_lengths if topk_lengths is not None else cache_lengths,
-        o_part, lse_part,
-        B, H, num_splits, page_size, float(scale) / math.log(2.0), window, chunk,
-        sparse.shape[1] if sparse_indices is not None else 0,
-        q.stride(0), q.stride(1), cache_layer.stride(1), block_table.stride(0),
-        sparse.stride(0) if sparse_indices is not None else 0,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=next_pow2(L), BLOCK_R=next_pow2(R),
-        MASK=mask_code, SPARSE=sparse_mode, HAS_TOPK=topk_lengths is not None, STEPS=search_steps(B),
-        DOT_T=dot_t, PRECISION=_common.dot_precision(dot_t), **cfg,
-    )
+    common = (block_table, cache_lengths, input_row_offsets, sparse, topk_lengths if topk_lengths is not None else cache_lengths,
+              o_part, lse_part,
+              B, H, num_splits, page_size, float(scale) / math.log(2.0), window, chunk,
+              sparse.shape[1] if sparse_indices is not None else 0)
+    strides_out = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+    meta = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=next_pow2(R), MASK=mask_code, SPARSE=sparse_mode,
+                HAS_TOPK=topk_lengths is not None, STEPS=search_steps(B), DOT_T=dot_t,
+                PRECISION=_common.dot_precision(dot_t), **cfg)
+    sparse_stride = sparse.stride(0) if sparse_indices is not None else 0
+    if views.fmt == _common.FMT_DS_MLA:
+        _decode_split_ds_mla_kernel[grid](
+            q, views.latent, views.rope, views.scales, *common,
+            q.stride(0), q.stride(1), views.latent.stride(1), views.rope.stride(1), views.scales.stride(1),
+            block_table.stride(0), sparse_stride, *strides_out,
+            L=L, R=R, GROUP=DS_MLA_GROUP, BLOCK_G=next_pow2(L, 1) // DS_MLA_GROUP, **meta,
+        )
+    else:
+        _decode_split_kernel[grid](
+            q, views.latent, views.rope, views.kv_scale, *common,
+            q.stride(0), q.stride(1), views.latent.stride(1), views.rope.stride(1), block_table.stride(0), sparse_stride,
+            *strides_out,
+            L=L, R=R, BLOCK_L=next_pow2(L), KV_SCALED=views.fmt == _common.FMT_E4M3, **meta,
+        )
     return merge_parts(o_part, lse_part, input_row_offsets, attn_sink=attn_sink, out=out, lse_out=lse)

@@ -17,6 +17,11 @@ through the page table, up-projected with two torch matmuls (cuBLAS on GPU) and 
 by the kernel; chunk results fold into a running result with ``merge.merge_parts``, and
 the attention sink is applied once at the end. Memory is bounded by ``buffer_size`` rows
 of K/V plus two float32 ``[T, H, Dv]`` slots, whatever the context length.
+
+FP8 caches: the latent gather dequantises (``CacheBatch.read_rows``) before the
+up-projection; the kernel reads k_rope through a typed view of the cache (fp8_e4m3: the
+float8 values, times the layer's ``kv_scale`` on the float32 rope scores; fp8_ds_mla: the
+record's bfloat16 rope part).
 """
 
 from __future__ import annotations
@@ -36,14 +41,14 @@ from .merge import merge_parts
 
 @triton.jit
 def _flare_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, cache_ptr, block_table_ptr, cache_lens_ptr, q_offsets_ptr, buf_offsets_ptr, cache_offsets_ptr,
-    o_ptr, lse_ptr,
-    page_size, rope_start, sm_scale_log2, window, chunk,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_row, stride_bt,
+    q_ptr, k_ptr, v_ptr, rope_ptr, kv_scale_ptr, block_table_ptr, cache_lens_ptr, q_offsets_ptr, buf_offsets_ptr,
+    cache_offsets_ptr, o_ptr, lse_ptr,
+    page_size, sm_scale_log2, window, chunk,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rope, stride_bt,
     stride_ot, stride_oh, stride_lt,
     DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
+    MASK: tl.constexpr, ROPE_SCALED: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
     h = tl.program_id(1)
@@ -73,6 +78,8 @@ def _flare_prefill_kernel(
     q_nope = tl.load(q_row + dn[None, :], mask=q_ok[:, None] & (dn[None, :] < DN), other=0.0).to(DOT_T)
     q_rope = tl.load(q_row + DN + dr[None, :], mask=q_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    if ROPE_SCALED:  # fp8_e4m3: stored rope * kv_scale; the scale multiplies the float32 rope scores
+        rope_scale = tl.load(kv_scale_ptr)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -85,13 +92,15 @@ def _flare_prefill_kernel(
         k_nope = tl.load(k_ptr + buf_row[:, None] * stride_kt + h * stride_kh + dn[None, :],
                          mask=k_ok[:, None] & (dn[None, :] < DN), other=0.0).to(DOT_T)
         rows = physical_row(table, key_pos, page_size, k_ok)
-        k_rope = tl.load(cache_ptr + rows[:, None] * stride_row + rope_start + dr[None, :],
+        k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :],
                          mask=k_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
         v = tl.load(v_ptr + buf_row[:, None] * stride_vt + h * stride_vh + dv[None, :],
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0).to(DOT_T)
 
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
-        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        s_rope = tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        if ROPE_SCALED:
+            s_rope = s_rope * rope_scale
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION) + s_rope
         visible = k_ok[None, :] & (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < hi[:, None])
         s = tl.where(visible, s * sm_scale_log2, float("-inf"))  # base-2 logits
 
@@ -155,20 +164,21 @@ def flare_prefill_into(
     B = batch.batch_size
     if T == 0 or max_new_tokens == 0:
         return
-    layer, row_stride = _common.cache_layer(batch, layer_idx)
+    views = _common.batch_views(batch, layer_idx, batch.head_dim - R)
     block_table = _common.as_index(batch.block_table)
     mask_code, window, chunk = _common.mask_args(mask)
-    dot_t = _common.dot_dtype(q.dtype, k.dtype, v.dtype, layer.dtype)
+    dot_t = views.dot_dtype(q.dtype, k.dtype, v.dtype)
     cfg = dict(config) if config is not None else prefill_config(q.dtype, q.device, tile)
     grid = (triton.cdiv(max_new_tokens, cfg["BLOCK_M"]), H, B)
     _flare_prefill_kernel[grid](
-        q, k, v, layer, block_table, _common.as_index(batch.cache_lengths), _common.as_index(batch.input_row_offsets),
-        buffer_row_offsets, cache_offsets, out, lse,
-        batch.page_size, layer.shape[2] - R, float(scale) / math.log(2.0), window, chunk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), row_stride, block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
+        q, k, v, views.rope, views.kv_scale, block_table, _common.as_index(batch.cache_lengths),
+        _common.as_index(batch.input_row_offsets), buffer_row_offsets, cache_offsets, out, lse,
+        batch.page_size, float(scale) / math.log(2.0), window, chunk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), views.rope.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         DN=DN, R=R, DV=DV, BLOCK_DN=next_pow2(DN), BLOCK_R=next_pow2(R), BLOCK_DV=next_pow2(DV),
-        MASK=mask_code, DOT_T=dot_t, PRECISION=_common.dot_precision(dot_t), **cfg,
+        MASK=mask_code, ROPE_SCALED=views.fmt == _common.FMT_E4M3, DOT_T=dot_t, PRECISION=_common.dot_precision(dot_t),
+        **cfg,
     )
 
 
@@ -204,13 +214,17 @@ def _chunk_rows(batch: CacheBatch, bro: list[int], co: list[int]) -> tuple[torch
 def gather_up_project(batch: CacheBatch, layer_idx: int, seq: torch.Tensor, pos: torch.Tensor, w_k: torch.Tensor,
                       w_uv: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Latent rows of ``(seq, pos)`` pairs through the page table, up-projected:
-    ``k_nope [S, H, Dn] = latent W_UK^T`` and ``v [S, H, Dv] = latent W_UV^T`` in ``dtype``."""
+    ``k_nope [S, H, Dn] = latent W_UK^T`` and ``v [S, H, Dv] = latent W_UV^T`` in ``dtype``.
+    An fp8 cache is dequantised on the gather (``CacheBatch.read_rows``)."""
     H, DV, L = w_uv.shape
     dev = batch.blocks.device
     seq, pos = seq.to(dev), pos.to(dev)
     pages = batch.block_table[seq, pos // batch.page_size].long()
     rows = pages * batch.page_size + pos % batch.page_size
-    latent = batch.blocks[layer_idx].reshape(-1, batch.blocks.shape[3])[rows, :L].to(dtype)
+    if batch.is_native:
+        latent = batch.blocks[layer_idx].reshape(-1, batch.blocks.shape[3])[rows, :L].to(dtype)
+    else:
+        latent = batch.read_rows(layer_idx, rows, dtype)[:, :L]
     k_nope = (latent @ w_k.to(dtype).t()).view(-1, H, w_k.shape[0] // H)
     v = (latent @ w_uv.to(dtype).reshape(H * DV, L).t()).view(-1, H, DV)
     return k_nope, v
