@@ -9,10 +9,13 @@ and bf16 matmul rate; decode (B 64/128 x H 16/128 x context 4k/32k, page 64, one
 per sequence, DeepSeek dims L=512, R=64) as CUDA-graph replays of the two decode launches
 and as eager calls; prefill (H 128, one 8k-token sequence, and 8 x 1k) as the flash kernel
 alone and as the whole chunked path (gather, up-projection, kernel); the cache write of 8k
-tokens; and a small tile sweep for decode and prefill. Times are medians of CUDA-event
-intervals. Decode GB/s counts the cache bytes read once (the useful traffic) and reports
-it against the copy bandwidth; TFLOP/s count the math actually needed (causal pairs only)
-against the matmul rate. A shape that fails is recorded under ``errors`` and the run goes on.
+tokens; decode on fp8 caches (fp8_ds_mla's 656-byte records and fp8_e4m3; B 64 x H 16/128 x
+4k, page 64, bf16 q) as graph replays; and a small tile sweep for decode and prefill.
+Times are medians of CUDA-event intervals. Decode GB/s counts the cache bytes read once
+(the useful traffic: 1152 bytes a token for bf16, 576 for fp8_e4m3, 656 for fp8_ds_mla)
+and reports it against the copy bandwidth (fp8 rows also give their speed-up over the bf16
+row of the same shape); TFLOP/s count the math actually needed (causal pairs only) against
+the matmul rate. A shape that fails is recorded under ``errors`` and the run goes on.
 ``--dry-run`` only proves the script: its numbers mean nothing.
 """
 
@@ -49,9 +52,10 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from openmla import CacheBatch  # noqa: E402
-from openmla.backends.triton import api  # noqa: E402
+from openmla.backends.triton import _common, api  # noqa: E402
 from openmla.backends.triton.decode import decode_config, decode_into, default_num_splits  # noqa: E402
 from openmla.backends.triton.prefill import flare_prefill_into, gather_up_project, prefill_config  # noqa: E402
+from openmla.fp8 import FP8, ds_mla_record_bytes  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.dry_run else "cuda")
@@ -59,14 +63,16 @@ BF16 = torch.bfloat16
 START = time.perf_counter()
 
 if ARGS.dry_run:
-    DIMS = dict(L=64, R=16, Dn=32, Dv=32)
+    DIMS = dict(L=128, R=16, Dn=32, Dv=32)  # L: a multiple of 128 for fp8_ds_mla
     DECODE = [(2, 2, 40), (2, 16, 70)]  # (B, H, context)
+    FP8_DECODE = [(2, 2, 40)]
     PREFILL = [(1, 40), (3, 12)]  # (B, new tokens each)
     PREFILL_H, PAGE, WRITE_T = 2, 16, 16
     WARMUP, ITERS, GRAPH_REPLAYS = 1, 2, 2
 else:
     DIMS = dict(L=512, R=64, Dn=128, Dv=128)
     DECODE = [(b, h, c) for c in (4096, 32768) for b in (64, 128) for h in (16, 128)]
+    FP8_DECODE = [(64, 16, 4096), (64, 128, 4096)]
     PREFILL = [(1, 8192), (8, 1024)]
     PREFILL_H, PAGE, WRITE_T = 128, 64, 8192
     WARMUP, ITERS, GRAPH_REPLAYS = 3, 20, 20
@@ -130,12 +136,28 @@ def matmul_rate() -> dict:
 
 
 # Problem builders --------------------------------------------------------------------
-def random_batch(cache_lens: list[int], new_lens: list[int], page: int, gen: torch.Generator) -> CacheBatch:
-    """A one-layer bf16 cache holding random entries for every position (pages shuffled)."""
+FP8_FORMATS = ("fp8_ds_mla", "fp8_e4m3")
+KV_SCALE = 1 / 64  # fp8_e4m3: unit-normal entries / (1/64) stay far below 448
+
+
+def bytes_per_token(cache_format: str) -> int:
+    L, R = DIMS["L"], DIMS["R"]
+    return {"native": 2 * (L + R), "fp8_e4m3": L + R, "fp8_ds_mla": ds_mla_record_bytes(L, R)}[cache_format]
+
+
+def random_batch(cache_lens: list[int], new_lens: list[int], page: int, gen: torch.Generator,
+                 cache_format: str = "native") -> CacheBatch:
+    """A one-layer cache holding random entries for every position (pages shuffled): bf16, or an
+    fp8 format filled through ``CacheBatch.write_rows`` (the quantising writer)."""
     L, R = DIMS["L"], DIMS["R"]
     per_seq = [-(-(c + n) // page) for c, n in zip(cache_lens, new_lens)]
     num_pages = sum(per_seq)
-    blocks = torch.randn(1, num_pages, page, L + R, device=DEV, dtype=BF16, generator=gen)
+    if cache_format == "native":
+        blocks = torch.randn(1, num_pages, page, L + R, device=DEV, dtype=BF16, generator=gen)
+    elif cache_format == "fp8_e4m3":
+        blocks = torch.zeros(1, num_pages, page, L + R, device=DEV, dtype=FP8)
+    else:
+        blocks = torch.zeros(1, num_pages, page, ds_mla_record_bytes(L, R), device=DEV, dtype=torch.uint8)
     perm = torch.randperm(num_pages, device=DEV, generator=gen).to(torch.int32)
     table = torch.zeros(len(per_seq), max(per_seq), dtype=torch.int32, device=DEV)
     start = 0
@@ -146,8 +168,14 @@ def random_batch(cache_lens: list[int], new_lens: list[int], page: int, gen: tor
     for n in new_lens:
         offsets.append(offsets[-1] + n)
     batch = CacheBatch(blocks, table, torch.tensor(cache_lens, dtype=torch.int32, device=DEV),
-                       torch.tensor(offsets, dtype=torch.int32, device=DEV), page)
+                       torch.tensor(offsets, dtype=torch.int32, device=DEV), page, cache_format=cache_format,
+                       kv_scale=torch.full((1,), KV_SCALE, device=DEV) if cache_format == "fp8_e4m3" else None, rope_dim=R)
     batch._host.update(cache=list(cache_lens), offsets=offsets)
+    if cache_format != "native":
+        rows = num_pages * page
+        for r0 in range(0, rows, 1 << 16):  # bounded float32 staging
+            r = torch.arange(r0, min(rows, r0 + (1 << 16)), device=DEV)
+            batch.write_rows(0, r, torch.randn(r.numel(), L + R, device=DEV, generator=gen))
     return batch
 
 
@@ -170,7 +198,7 @@ def check_decode(batch: CacheBatch, q: torch.Tensor, out: torch.Tensor, scale: f
         n = int(batch.cache_lengths[b]) + 1
         pos = torch.arange(n, device=DEV)
         rows = batch.block_table[b, pos // PAGE].long() * PAGE + pos % PAGE
-        keys = batch.blocks[0].reshape(-1, batch.blocks.shape[3])[rows].float()
+        keys = batch.read_rows(0, rows, torch.float32)  # dequantised for the fp8 formats
         p = torch.softmax(scale * q[b].float() @ keys.T, dim=-1)
         worst = max(worst, rel_err(out[b], p @ keys[:, :L]))
     return worst
@@ -191,13 +219,17 @@ def check_prefill(batch, q, k_nope, v, out, n: int, scale: float) -> float:
 
 
 # Benchmarks --------------------------------------------------------------------------
-def bench_decode(B: int, H: int, ctx: int, ceil: dict, config: dict | None = None, eager: bool = True) -> dict:
-    """One new token per sequence at position ctx-1 (so it sees ctx keys)."""
+def bench_decode(B: int, H: int, ctx: int, ceil: dict, config: dict | None = None, eager: bool = True,
+                 cache_format: str = "native") -> dict:
+    """One new token per sequence at position ctx-1 (so it sees ctx keys); bf16 q and output."""
     L, R = DIMS["L"], DIMS["R"]
     gen = generator()
-    batch = random_batch([ctx - 1] * B, [1] * B, PAGE, gen)
+    batch = random_batch([ctx - 1] * B, [1] * B, PAGE, gen, cache_format)
     q = torch.randn(B, H, L + R, device=DEV, dtype=BF16, generator=gen)
-    splits = default_num_splits(B, H, ctx, DEV)
+    kv_scale = batch.kv_scale[:1] if cache_format == "fp8_e4m3" else None
+    compute = _common.cache_views(batch.blocks[0], cache_format, L, kv_scale).compute_dtype(BF16)
+    config = config or decode_config(compute, DEV, H, cache_format)
+    splits = default_num_splits(B, H, ctx, DEV, config["BLOCK_H"])
     out = torch.empty(B, H, L, device=DEV, dtype=BF16)
     lse = torch.empty(B, H, device=DEV)
     ws = (torch.empty(splits, B, H, L, device=DEV), torch.empty(splits, B, H, device=DEV))
@@ -205,22 +237,33 @@ def bench_decode(B: int, H: int, ctx: int, ceil: dict, config: dict | None = Non
 
     def step():
         decode_into(q, batch.blocks[0], batch.block_table, batch.cache_lengths, batch.input_row_offsets, PAGE,
-                    scale=scale, kv_lora_rank=L, num_splits=splits, out=out, lse=lse, workspace=ws, config=config)
+                    scale=scale, kv_lora_rank=L, num_splits=splits, out=out, lse=lse, workspace=ws, config=config,
+                    cache_format=cache_format, kv_scale=kv_scale)
 
-    res = {"B": B, "H": H, "context": ctx, "page_size": PAGE, "num_splits": splits,
-           "config": config or decode_config(BF16, DEV, H)}
+    res = {"B": B, "H": H, "context": ctx, "page_size": PAGE, "cache_format": cache_format, "num_splits": splits,
+           "config": config}
     graph = graph_time_ms(step)
     t = graph or time_ms(step)
     res["graph" if graph else "eager"] = t
     if eager and graph:
         res["eager"] = time_ms(step)
     res["check_rel_err"] = check_decode(batch, q, out, scale)
-    cache_bytes = B * ctx * (L + R) * 2
+    cache_bytes = B * ctx * bytes_per_token(cache_format)
     flops = 2 * B * H * ctx * (L + R + L)
     sec = t["median_ms"] * 1e-3
-    res.update(cache_bytes=cache_bytes, GBps=cache_bytes / sec / 1e9, TFLOPs=flops / sec / 1e12,
-               frac_copy_bw=cache_bytes / sec / 1e9 / ceil["copy"]["GBps"],
+    res.update(bytes_per_token=bytes_per_token(cache_format), cache_bytes=cache_bytes, GBps=cache_bytes / sec / 1e9,
+               TFLOPs=flops / sec / 1e12, frac_copy_bw=cache_bytes / sec / 1e9 / ceil["copy"]["GBps"],
                frac_matmul=flops / sec / 1e12 / ceil["matmul"]["TFLOPs"])
+    return res
+
+
+def with_bf16_speedup(res: dict, bf16_rows: list[dict]) -> dict:
+    """Adds ``speedup_vs_bf16``: the bf16 decode time of the same shape over this one's."""
+    for row in bf16_rows:
+        if (row["B"], row["H"], row["context"]) == (res["B"], res["H"], res["context"]):
+            key = "graph" if "graph" in res else "eager"
+            if key in row:
+                res["speedup_vs_bf16"] = row[key]["median_ms"] / res[key]["median_ms"]
     return res
 
 
@@ -331,7 +374,7 @@ class Recorder:
 
 
 def summary(res: dict) -> str:
-    keys = ("check_rel_err", "GBps", "TFLOPs", "frac_copy_bw", "frac_matmul", "median_ms")
+    keys = ("check_rel_err", "GBps", "TFLOPs", "frac_copy_bw", "frac_matmul", "speedup_vs_bf16", "median_ms")
     parts = [f"{k}={res[k]:.4g}" for k in keys if isinstance(res.get(k), (int, float))]
     for sub in ("graph", "eager", "kernel", "full_path"):
         if isinstance(res.get(sub), dict):
@@ -363,6 +406,10 @@ def main() -> int:
     for B, n in PREFILL:
         rec.run("prefill", f"B={B} n={n} H={PREFILL_H}", lambda: bench_prefill(B, n, ceil))
     rec.run("write_cache", f"T={WRITE_T}", lambda: bench_write(WRITE_T, ceil))
+    for fmt in FP8_FORMATS:
+        for B, H, ctx in FP8_DECODE:
+            rec.run("decode_fp8", f"{fmt} B={B} H={H} ctx={ctx}", lambda: with_bf16_speedup(
+                bench_decode(B, H, ctx, ceil, eager=False, cache_format=fmt), rec.data.get("decode", [])))
     if not ARGS.no_sweep:
         for B, H, ctx in DECODE[-1:] if ARGS.dry_run else DECODE_SWEEP_SHAPES:
             for bh, bn, w, s in DECODE_SWEEP[: 2 if ARGS.dry_run else None]:

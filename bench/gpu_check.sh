@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check of openmla (about 5-8 minutes on an H200):
 #   1. the whole test suite on the GPU (the triton tests run compiled on CUDA tensors),
-#   2. bench/gpu_bench.py: decode / prefill / cache-write timings against this GPU's
+#   2. bench/gpu_bench.py: decode (bf16, fp8_ds_mla and fp8_e4m3 caches) / prefill / cache-write timings against this GPU's
 #      measured copy bandwidth and bf16 matmul rate, plus a small tile sweep.
 # Usage: bench/gpu_check.sh            (from anywhere; results in $OUT, else bench/out)
 # Env:   PYTHON=...  the interpreter to use (default: the first with CUDA torch among
