@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import random
+import threading
 
 import pytest
 import torch
@@ -38,8 +39,9 @@ DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
 
 @pytest.fixture(autouse=True)
 def poison_buffers(monkeypatch):
-    """Packed query/key/value blocks and outputs start as NaN."""
+    """Packed query/key/value blocks, scratch buffers and outputs start as NaN."""
     monkeypatch.setattr(tpre, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
+    monkeypatch.setattr(tpre, "_scratch", threading.local())  # no scratch buffer left from another test
 
 
 # Helpers ------------------------------------------------------------------------------

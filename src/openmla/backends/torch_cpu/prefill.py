@@ -22,6 +22,8 @@ packed layout, and continues the same running state chunk after chunk, so memory
 from __future__ import annotations
 
 import bisect
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,27 @@ SLICE_BELOW = 4 / 3
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer this module fills completely comes from here (tests poison it with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
+_scratch = threading.local()
+
+
+def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-thread scratch tensor reused across calls (contents undefined; tests poison it).
+
+    A fresh multi-MB tensor costs a page fault per 4 KiB on first touch, on every call."""
+    numel = math.prod(shape)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (name, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _alloc((numel,), dtype, device)
+        if numel * buf.element_size() <= WORKSPACE_CAP_BYTES:
+            bufs[key] = buf
+    return buf[:numel].view(shape)
 
 
 # Planning ----------------------------------------------------------------------------
@@ -184,23 +207,31 @@ class State:
     ``acc [H, T, Dv]`` = sum over key blocks of ``exp(lse_b - ref) * o_b``, ``l [H, T]`` = sum of
     the same weights, ``ref [H, T]`` a reference LSE moved up only when a block's LSE exceeds it
     by ``RESCALE_MARGIN`` (so most blocks cost one fused multiply-add). Then
-    ``out = acc / l`` and ``lse = ref + log(l)``.
+    ``out = acc / l`` and ``lse = ref + log(l)``. ``acc`` starts undefined (a reused scratch
+    buffer): the first block a row receives is written, later ones merged; rows that never
+    receive one are zeroed at the end.
     """
 
     def __init__(self, num_heads: int, num_rows: int, v_depth: int, device: torch.device) -> None:
-        self.acc = torch.zeros(num_heads, num_rows, v_depth, dtype=F32, device=device)
+        self.acc = _workspace("acc", (num_heads, num_rows, v_depth), F32, device)
         self.ref = torch.full((num_heads, num_rows), NEG_INF, dtype=F32, device=device)
         self.l = torch.zeros(num_heads, num_rows, dtype=F32, device=device)
+        self.started = bytearray(num_rows)  # 1 where acc holds a block's result
 
-    def add(self, rows: slice, o: torch.Tensor, lse_b: torch.Tensor, first: bool) -> None:
-        """Fold one block result (``o [H, m, Dv]``, ``lse_b [H, m]``) into rows ``rows``.
-        ``first``: these rows hold nothing yet (write instead of merge)."""
+    def add(self, rows: slice, o: torch.Tensor, lse_b: torch.Tensor) -> None:
+        """Fold one block result (``o [H, m, Dv]``, ``lse_b [H, m]``) into rows ``rows``."""
         acc, ref, l = self.acc[:, rows], self.ref[:, rows], self.l[:, rows]
-        if first:
+        a, b = rows.start, rows.stop
+        if self.started.find(1, a, b) < 0:  # nothing here yet: write
             acc.copy_(o)
             ref.copy_(lse_b)
             l.copy_(lse_b > NEG_INF)
+            self.started[a:b] = b"\x01" * (b - a)
             return
+        if self.started.find(0, a, b) >= 0:  # partly started: the fresh rows hold nothing
+            fresh = torch.frombuffer(self.started[a:b], dtype=torch.uint8).to(acc.device) == 0
+            acc.masked_fill_(fresh[None, :, None], 0.0)
+            self.started[a:b] = b"\x01" * (b - a)
         grow = lse_b > ref + RESCALE_MARGIN  # also every first finite block of a row
         if bool(grow.any()):
             factor = torch.where(grow, (ref - lse_b).exp_(), 1.0)
@@ -213,6 +244,9 @@ class State:
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise in place: ``acc`` becomes ``out [H, T, Dv]``; returns it and ``lse [H, T]``."""
+        if self.started.find(0) >= 0:
+            never = torch.frombuffer(bytearray(self.started), dtype=torch.uint8).to(self.acc.device) == 0
+            self.acc.masked_fill_(never[None, :, None], 0.0)
         seen = self.l > 0
         self.acc.div_(torch.where(seen, self.l, 1.0).unsqueeze(2))
         lse = torch.where(seen, self.ref + self.l.log(), NEG_INF)
@@ -265,12 +299,11 @@ def attend_sequence(
     mask: MaskVariant,
     block_m: int,
     state: State,
-    fresh: bool,
 ) -> None:
     """Continue the state of one sequence's queries over its keys in this chunk.
 
     ``q_blocks``: the sequence's queries as packed ``[H, block_m, Dq]`` blocks (scaled, see
-    ``pack_queries``); ``fresh``: the state of these rows is still empty.
+    ``pack_queries``).
     """
     n_q = work.q1 - work.q0
     bounds = keys.bounds
@@ -285,7 +318,6 @@ def attend_sequence(
         rows = slice(work.q0 + i0, work.q0 + i1)
         q_blk = q_blocks[i0 // block_m]
         q_pos = torch.arange(p_lo, p_hi + 1, device=q_blk.device)
-        first = fresh
         j = bisect.bisect_right(bounds, lo) - 1
         while j < len(bounds) - 1 and bounds[j] < hi:
             a, b = max(lo, bounds[j]), min(hi, bounds[j + 1])
@@ -296,8 +328,7 @@ def attend_sequence(
             else:  # the whole packed block; the mask hides the keys this query block cannot see
                 a, b = bounds[j], bounds[j + 1]
             o, lse_b = attend_block(q_blk, kT, v, mask, q_pos, a, full)
-            state.add(rows, o, lse_b, first)
-            first = False
+            state.add(rows, o, lse_b)
             j += 1
 
 
@@ -395,7 +426,7 @@ def flare_mla_prefill(
             nope = k_nope_T[:, :, lo + row0 : hi + row0].to(dtype)
             keys = pack_keys(nope, rope_cols, v[lo + row0 : hi + row0].to(dtype), block_bounds(lo, hi, work.q_pos, block_n), lo)
             q_blocks = pack_queries(q, work.q0, work.q1, block_m, scale, dtype)
-            attend_sequence(q_blocks, keys, work, mask, block_m, state, fresh=True)
+            attend_sequence(q_blocks, keys, work, mask, block_m, state)
     return output_of(state, dtype)
 
 
@@ -528,9 +559,8 @@ def prefill(
                 continue
             keys = up_project(batch, layer_idx, works, w_k_c, w_v_c, H, block_n)
             for (b, work), kb in zip(works, keys):
-                fresh = b not in q_blocks
-                if fresh:
+                if b not in q_blocks:
                     q_blocks[b] = pack_queries(q_rot, work.q0, work.q1, block_m, scale, dtype)
-                attend_sequence(q_blocks[b], kb, work, mask, block_m, state, fresh=fresh)
+                attend_sequence(q_blocks[b], kb, work, mask, block_m, state)
             del keys
     return output_of(state, dtype, attn_sink, batch)
