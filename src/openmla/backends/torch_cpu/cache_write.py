@@ -1,9 +1,9 @@
 """torch backend: the per-token cache write of a ragged batch, in one vectorised pass.
 
-For the ``T`` new tokens: positions from the batch's offsets and cache lengths, physical
-rows through the page table, RMSNorm of the latent, RoPE of the key rope part, one
-``index_copy_`` into ``blocks[layer_idx]``; q's rope part is rotated with the same positions.
-No Python loop runs per token or per sequence.
+For the ``T`` new tokens: positions from the batch's offsets and cache lengths, physical rows
+through the page table, RMSNorm of the latent, RoPE of the key rope part, one ``index_copy_``
+into ``blocks[layer_idx]``; q's rope part is rotated with the same positions. No Python loop
+runs per token or per sequence, and the op count does not grow with T.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from ...cache import CacheBatch
-from ...rope import apply_rope
 
-__all__ = ["write_cache", "token_positions", "token_rows"]
+__all__ = ["write_cache", "token_positions", "token_rows", "rotate"]
 
 
 def token_positions(batch: CacheBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,12 +21,10 @@ def token_positions(batch: CacheBatch, device: torch.device) -> tuple[torch.Tens
     Token ``i`` of sequence ``b`` sits at ``cache_lengths[b] + i``.
     """
     offsets = batch.input_row_offsets.to(device=device, dtype=torch.int64)
-    counts = offsets[1:] - offsets[:-1]
     T = int(batch.offsets_list[-1])
-    seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts, output_size=T)
-    local = torch.arange(T, device=device) - offsets[seq]
-    pos = batch.cache_lengths.to(device=device, dtype=torch.int64)[seq] + local
-    return seq, pos
+    seq = torch.repeat_interleave(offsets.diff(), output_size=T)
+    start = batch.cache_lengths.to(device=device, dtype=torch.int64) - offsets[:-1]  # pos - row, per sequence
+    return seq, torch.arange(T, device=device) + start[seq]
 
 
 def token_rows(batch: CacheBatch, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -35,6 +32,24 @@ def token_rows(batch: CacheBatch, seq: torch.Tensor, pos: torch.Tensor) -> torch
     ps = batch.page_size
     table = batch.block_table.to(device=pos.device, dtype=torch.int64)
     return table[seq, pos // ps] * ps + pos % ps
+
+
+def rotate(x: torch.Tensor, freqs_cis: torch.Tensor, pos: torch.Tensor, interleaved: bool, compute: torch.dtype) -> torch.Tensor:
+    """RoPE of ``x [T, ..., R]`` at positions ``pos [T]`` as one complex multiply, in ``compute``
+    (float32 or float64); returns a new contiguous tensor of that dtype.
+
+    ``freqs_cis[p]`` holds interleaved (cos, sin) pairs, i.e. the complex factors ``c + i s``;
+    a pair ``(a, b)`` of x (interleaved: ``x[2i], x[2i+1]``; half-split: ``x[i], x[i+R/2]``) maps
+    to ``(a c - b s, a s + b c)``.
+    """
+    T, R = x.shape[0], x.shape[-1]
+    fc = freqs_cis.index_select(0, pos).to(compute).view(T, *([1] * (x.dim() - 2)), R // 2, 2)
+    rot = torch.view_as_complex(fc)
+    if interleaved:
+        xc = torch.view_as_complex(x.to(compute, memory_format=torch.contiguous_format).view(*x.shape[:-1], R // 2, 2))
+        return torch.view_as_real(xc * rot).flatten(-2)
+    y = torch.complex(x[..., : R // 2].to(compute), x[..., R // 2 :].to(compute)) * rot
+    return torch.cat([y.real, y.imag], dim=-1)
 
 
 def _norm_dtype(cache_dtype: torch.dtype) -> torch.dtype:
@@ -51,12 +66,11 @@ def cache_entries(
     L = gamma.shape[0]
     nd = _norm_dtype(out_dtype)
     x = kv[:, :L].to(nd)
-    latent = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + epsilon) * gamma.to(nd)
-    # The rope part is tiny; float64 keeps cancellation in (a c - b s) from costing ulps.
-    k_rope = apply_rope(kv[:, L:].to(torch.float64), freqs_cis, pos, interleaved)
+    latent = x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(epsilon)) * gamma.to(nd)
     out = torch.empty(kv.shape[0], kv.shape[1], dtype=out_dtype, device=kv.device)
     out[:, :L] = latent
-    out[:, L:] = k_rope
+    # The rope part is tiny; float64 keeps cancellation in (a c - b s) from costing ulps.
+    out[:, L:] = rotate(kv[:, L:], freqs_cis, pos, interleaved, torch.float64)
     return out
 
 
@@ -82,20 +96,19 @@ def write_cache(
 ) -> torch.Tensor:
     """Write ``kv [T, L+R]`` into the cache and return q ``[T, H, Dn+R]`` with its rope part rotated.
 
-    The latent is ``x * rsqrt(mean(x^2) + eps) * gamma`` (float32, float64 for 32/64-bit caches),
-    the key rope part is rotated at each token's position, both stored in the cache dtype. The
-    returned q is a new tensor of q's dtype.
+    The latent is ``x * rsqrt(mean(x^2) + eps) * gamma`` (float32; float64 for 32/64-bit caches),
+    the key rope part is rotated at each token's position (float64), both stored in the cache
+    dtype. The returned q is a new tensor of q's dtype, rotated in float32 (float64 for float64 q).
     """
     device = kv.device
-    blocks = batch.blocks
     R = kv.shape[1] - kv_norm_gamma.shape[0]
     Dn = q.shape[2] - R
     seq, pos = token_positions(batch, device)
     if kv.shape[0]:
-        rows = token_rows(batch, seq, pos)
-        entries = cache_entries(kv, freqs_cis, kv_norm_gamma, pos, epsilon, interleaved, blocks.dtype)
-        _scatter(batch, layer_idx, rows.to(blocks.device), entries.to(blocks.device))
+        entries = cache_entries(kv, freqs_cis, kv_norm_gamma, pos, epsilon, interleaved, batch.blocks.dtype)
+        _scatter(batch, layer_idx, token_rows(batch, seq, pos).to(batch.blocks.device), entries.to(batch.blocks.device))
     q_rot = torch.empty_like(q, memory_format=torch.contiguous_format)
     q_rot[..., :Dn] = q[..., :Dn]
-    q_rot[..., Dn:] = apply_rope(q[..., Dn:], freqs_cis, pos, interleaved)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_rot[..., Dn:] = rotate(q[..., Dn:], freqs_cis, pos, interleaved, compute)
     return q_rot
