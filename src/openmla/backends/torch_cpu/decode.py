@@ -9,9 +9,10 @@ Keys are the raw ``L+R``-wide cache rows, shared by all H query heads; values ar
 - sparse: per group of query tokens, each token's own listed keys, batched with ``bmm``.
 
 The loops run over sequences and key blocks; each iteration is two GEMMs of real size plus a
-handful of elementwise passes, so the per-op cost of eager PyTorch is kept to ~20 ops a block.
-Scores stay in the matmul dtype (bf16: the CPU GEMM accumulates in float32 and rounds once);
-the exponentials, their sums, the running output and the merges are float32.
+handful of elementwise passes, so the per-op cost of eager PyTorch stays small (~20 ops a block).
+Scores and probabilities are in the matmul dtype (bf16: the CPU GEMM accumulates in float32
+and rounds once; exponent arguments are formed in float32); the softmax sums, the running
+output and the merges are float32.
 """
 
 from __future__ import annotations
@@ -138,18 +139,22 @@ def _neg_offset(s_t: torch.Tensor, a: float, prev: torch.Tensor | None, exact: b
 def _exponentiate(
     s_t: torch.Tensor, nm: torch.Tensor, a: float, keep: torch.Tensor | None, heads: int, stat: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query-major ``p = 2^(a*s - offset)`` ``[..., M, n]`` (scratch, ``stat`` dtype) and its row sums.
+    """Query-major ``p = 2^(a*s - offset)`` ``[..., M, n]`` (scratch) and its row sums (``stat``).
 
-    Writing p query-major lets the second GEMM read it untransposed (faster at M = 16).
+    p is written query-major so the second GEMM reads it untransposed (faster at M = 16), and in
+    the scores' dtype: with bf16, ``a*s - offset`` is formed in float32 and rounded once, p is
+    exactly what the GEMM consumes and its sum accumulates in float32. Against float32 p plus a
+    conversion pass this saves a third of the elementwise traffic (H=16 decode: ~9% faster)
+    for an LSE error of ~3e-3 instead of ~2e-3 (outputs: both within bf16 rounding).
     """
     if keep is not None:  # a row may have no visible key here (nm = +inf): use offset 0
         nm = torch.where(nm == math.inf, 0.0, nm)
     shape = (*s_t.shape[:-2], s_t.shape[-1], s_t.shape[-2])
-    p = torch.add(nm.unsqueeze(-1), s_t.transpose(-1, -2), alpha=a, out=_workspace("probs", shape, stat, s_t.device))
+    p = torch.add(nm.unsqueeze(-1), s_t.transpose(-1, -2), alpha=a, out=_workspace("probs", shape, s_t.dtype, s_t.device))
     if keep is not None and a == 0.0:  # 0 * -inf: keep masked keys out explicitly
         p.view(*shape[:-2], -1, heads, shape[-1]).masked_fill_(~keep.unsqueeze(-2), -math.inf)
     p.exp2_()
-    return p, p.sum(-1)
+    return p, p.sum(-1, dtype=stat)
 
 
 def _block_step(
@@ -173,8 +178,6 @@ def _block_step(
     if keep is None and l_blk.max().item() > SAFE_SUM:  # the sampled offset was too low
         nm = _neg_offset(s_t, a, prev, True, stat)
         p, l_blk = _exponentiate(s_t, nm, a, keep, heads, stat)
-    if p.dtype != k.dtype:  # 16-bit probabilities for the second GEMM
-        p = _workspace("probs_mm", p.shape, k.dtype, p.device).copy_(p)
     v = k[..., :L]
     pv = torch.mm(p, v) if v.dim() == 2 else torch.bmm(p, v)  # [..., M, L]
     if state is None:
@@ -186,17 +189,16 @@ def _block_step(
     return _State(nm, state.l.mul_(alpha).add_(l_blk), acc)
 
 
-def _normalise(state: _State | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+def _normalise(state: _State | None, out: torch.Tensor, lse: torch.Tensor, guard: bool = True) -> None:
     """Write ``out [..., M, L] = acc / l`` and the natural-log ``lse [..., M]``; rows without keys
-    get 0 and -inf."""
+    get 0 and -inf (``guard=False``: the caller knows every row saw a key)."""
     if state is None:
         out.zero_()
         lse.fill_(-math.inf)
         return
-    l = torch.where(state.l > 0, state.l, 1.0)  # unseen rows: acc = 0 and nm = +inf already
+    l = torch.where(state.l > 0, state.l, 1.0) if guard else state.l  # unseen: acc = 0, nm = +inf
     torch.div(state.acc, l.unsqueeze(-1), out=out)
-    torch.log2(l, out=lse)
-    lse.sub_(state.nm).mul_(LN2)
+    torch.sub(torch.log(l), state.nm, alpha=LN2, out=lse)
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,11 +215,13 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     return o, lse
 
 
-def _run_parts(parts: list, run_part: Callable[[tuple[int, int]], _State | None], out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Run each partition alone and LSE-merge them into ``out``/``lse`` (a single partition is
-    normalised in place)."""
+def _run_parts(
+    parts: list, run_part: Callable[[tuple[int, int]], _State | None], out: torch.Tensor, lse: torch.Tensor, guard: bool
+) -> None:
+    """Run each partition alone and LSE-merge them into ``out``/``lse``; a single partition is
+    normalised in place (``guard``: some row may have seen no key)."""
     if len(parts) == 1:
-        _normalise(run_part(parts[0]), out, lse)
+        _normalise(run_part(parts[0]), out, lse, guard)
         return
     results = []
     for part in parts:
@@ -362,7 +366,9 @@ def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, row0: int, tok: int, p_lo: int,
         return state
 
     parts = _split(lo, hi, ctx.num_partitions or pick_num_partitions(hi - lo))
-    _run_parts(parts, run_part, ctx.out[row0 : row0 + tok].view(M, ctx.L), ctx.lse[row0 : row0 + tok].view(M))
+    # Every query sees at least its own position, so a single partition has keys in every row.
+    out, lse = ctx.out[row0 : row0 + tok].view(M, ctx.L), ctx.lse[row0 : row0 + tok].view(M)
+    _run_parts(parts, run_part, out, lse, guard=False)
 
 
 def _dense(ctx: _Ctx) -> None:
@@ -421,7 +427,7 @@ def _sparse(ctx: _Ctx, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor 
                 state = _block_step(state, q_t, ctx.keys.gather(rows[:, k0:k1]), blk_keep, H, ctx.a, ctx.L, ctx.stat)
             return state
 
-        _run_parts(parts, run_part, ctx.out[t0:t1], ctx.lse[t0:t1])
+        _run_parts(parts, run_part, ctx.out[t0:t1], ctx.lse[t0:t1], guard=True)
 
 
 # Entry point ------------------------------------------------------------------------------------
