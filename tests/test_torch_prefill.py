@@ -252,6 +252,16 @@ def test_flare_matches_reference_bf16_deepseek():
     assert_lse(lse, want_lse, TOL[torch.bfloat16], case.seed)
 
 
+@pytest.mark.parametrize("mask,extra", MASKS, ids=MASK_IDS)
+def test_row_halves_on_masked_blocks(mask, extra, monkeypatch):
+    # Small sequences never reach the row-split threshold; lower it so every masked block of
+    # a query block splits into halves (and later blocks merge into partly started rows).
+    monkeypatch.setattr(tpre, "SPLIT_MIN_ROWS", 2)
+    case = prefill_case([6, 0, 11], [29, 3, 18])
+    check_prefill(case, **mask_kw(mask, extra))
+    check_prefill(case, buffer_size=9, **mask_kw(mask, extra))
+
+
 # Sinks, sparse, the fused op ----------------------------------------------------------
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["[H]", "[B,H]"])
 def test_attention_sink(per_sequence):

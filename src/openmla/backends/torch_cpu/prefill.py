@@ -47,6 +47,10 @@ MIN_BUFFER_ROWS = 256
 # A key block of which a query block sees less than 1/SLICE_BELOW is sliced (copied) instead
 # of computed whole and masked.
 SLICE_BELOW = 4 / 3
+# A masked key block is run as two row halves (each over the keys it sees) when that needs at
+# most SPLIT_GAIN of the work, and the query block has at least 2 * SPLIT_MIN_ROWS rows.
+SPLIT_GAIN = 0.8
+SPLIT_MIN_ROWS = 64
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -138,8 +142,11 @@ def row_max(s: torch.Tensor) -> torch.Tensor:
     >= 0, else the integer min. Integer reductions are ~10x faster than bf16 float ones here.
     """
     bits = s.view(_BITS[s.dtype])
-    hi, lo = bits.amax(dim=-1), bits.amin(dim=-1)
-    return torch.where(hi >= 0, hi, lo).view(s.dtype)
+    hi = bits.amax(dim=-1)
+    negative = hi < 0  # rows of negative scores only (rare): their max is the integer min
+    if bool(negative.any()):
+        hi = torch.where(negative, bits.amin(dim=-1), hi)
+    return hi.view(s.dtype)
 
 
 def _mask_columns(s: torch.Tensor, mask: MaskVariant, q_pos: torch.Tensor, c0: int, c1: int, k_first: int) -> torch.Tensor:
@@ -292,6 +299,62 @@ def pack_keys(
     return KeyBlocks(bounds, kTs, vs)
 
 
+def _seen_span(mask: MaskVariant, p_lo: int, p_hi: int, kv_len: int, lo: int, hi: int) -> tuple[int, int]:
+    """Keys in ``[lo, hi)`` that some query at positions ``p_lo..p_hi`` sees, as one range."""
+    a, b = mask.key_range(p_lo, p_hi, kv_len)
+    return max(a, lo), min(b, hi)
+
+
+def _attend_rows(
+    q_blk: torch.Tensor,
+    row0: int,
+    p_lo: int,
+    keys: KeyBlocks,
+    k_lo: int,
+    k_hi: int,
+    mask: MaskVariant,
+    kv_len: int,
+    state: State,
+    split: bool,
+) -> None:
+    """Queries ``q_blk [H, m, Dq]`` (state rows ``row0..``, positions ``p_lo..``) over the keys of
+    ``keys`` in positions ``[k_lo, k_hi)``.
+
+    A key block that needs the mask (a causal diagonal, a window edge) may be run as two row
+    halves, each over the keys it can see, when that saves enough work (``split``)."""
+    m = q_blk.shape[1]
+    p_hi = p_lo + m - 1
+    lo, hi = _seen_span(mask, p_lo, p_hi, kv_len, k_lo, k_hi)
+    if lo >= hi:
+        return  # these queries see none of these keys
+    full = fully_visible(mask, p_lo, p_hi, kv_len)
+    q_pos = torch.arange(p_lo, p_hi + 1, device=q_blk.device)
+    bounds = keys.bounds
+    j = bisect.bisect_right(bounds, lo) - 1
+    while j < len(bounds) - 1 and bounds[j] < hi:
+        b0, b1 = bounds[j], bounds[j + 1]
+        a, b = max(lo, b0), min(hi, b1)
+        j += 1
+        if split and m >= 2 * SPLIT_MIN_ROWS and not (full[0] <= a and b <= full[1]):
+            h = m // 2
+            top = _seen_span(mask, p_lo, p_lo + h - 1, kv_len, a, b)
+            bottom = _seen_span(mask, p_lo + h, p_hi, kv_len, a, b)
+            work = h * max(0, top[1] - top[0]) + (m - h) * max(0, bottom[1] - bottom[0])
+            if work <= SPLIT_GAIN * m * (b - a):
+                # q_blk[:, :h] is not packed: bmm copies it, which costs far less than the saved work
+                _attend_rows(q_blk[:, :h], row0, p_lo, keys, a, b, mask, kv_len, state, False)
+                _attend_rows(q_blk[:, h:], row0 + h, p_lo + h, keys, a, b, mask, kv_len, state, False)
+                continue
+        kT, v = keys.kT[j - 1], keys.v[j - 1]
+        if (b - a) * SLICE_BELOW < b1 - b0:
+            # Mostly unseen: slice (bmm packs a copy of the slice) rather than compute it all.
+            kT, v = kT[:, :, a - b0 : b - b0], v[:, a - b0 : b - b0]
+        else:  # the whole packed block; the mask hides the keys these queries cannot see
+            a, b = b0, b1
+        o, lse_b = attend_block(q_blk, kT, v, mask, q_pos, a, full)
+        state.add(slice(row0, row0 + m), o, lse_b)
+
+
 def attend_sequence(
     q_blocks: list[torch.Tensor],
     keys: KeyBlocks,
@@ -305,31 +368,10 @@ def attend_sequence(
     ``q_blocks``: the sequence's queries as packed ``[H, block_m, Dq]`` blocks (scaled, see
     ``pack_queries``).
     """
-    n_q = work.q1 - work.q0
-    bounds = keys.bounds
-    for i0 in range(0, n_q, block_m):
-        i1 = min(n_q, i0 + block_m)
-        p_lo, p_hi = work.q_pos + i0, work.q_pos + i1 - 1
-        lo, hi = mask.key_range(p_lo, p_hi, work.kv_len)
-        lo, hi = max(lo, bounds[0]), min(hi, bounds[-1])
-        if lo >= hi:
-            continue  # this block sees none of the chunk's keys
-        full = fully_visible(mask, p_lo, p_hi, work.kv_len)
-        rows = slice(work.q0 + i0, work.q0 + i1)
-        q_blk = q_blocks[i0 // block_m]
-        q_pos = torch.arange(p_lo, p_hi + 1, device=q_blk.device)
-        j = bisect.bisect_right(bounds, lo) - 1
-        while j < len(bounds) - 1 and bounds[j] < hi:
-            a, b = max(lo, bounds[j]), min(hi, bounds[j + 1])
-            kT, v = keys.kT[j], keys.v[j]
-            if (b - a) * SLICE_BELOW < bounds[j + 1] - bounds[j]:
-                # Mostly unseen: slice (bmm packs a copy of the slice) rather than compute it all.
-                kT, v = kT[:, :, a - bounds[j] : b - bounds[j]], v[:, a - bounds[j] : b - bounds[j]]
-            else:  # the whole packed block; the mask hides the keys this query block cannot see
-                a, b = bounds[j], bounds[j + 1]
-            o, lse_b = attend_block(q_blk, kT, v, mask, q_pos, a, full)
-            state.add(rows, o, lse_b)
-            j += 1
+    for i, q_blk in enumerate(q_blocks):
+        i0 = i * block_m
+        _attend_rows(q_blk, work.q0 + i0, work.q_pos + i0, keys, keys.bounds[0], keys.bounds[-1], mask, work.kv_len,
+                     state, split=True)
 
 
 # Layout helpers ----------------------------------------------------------------------
