@@ -183,9 +183,12 @@ def test_decode_small_blocks_and_page_layouts(monkeypatch, mask, extra):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offset_sample_misses_the_max(dtype):
-    """One key far above the sampled ones (2^250 relative): the block sum check must redo the
-    block with the exact max instead of overflowing."""
+def test_offset_sample_misses_the_max(monkeypatch, dtype):
+    """One key far above the sampled ones (2^250 relative) overflows the sampled-offset pass;
+    decode must notice and rerun with exact block maxima."""
+    runs = []
+    real_run = tdec._run
+    monkeypatch.setattr(tdec, "_run", lambda ctx, *a: runs.append(ctx.exact) or real_run(ctx, *a))
     case = make_case([300], [1], config=small_config(num_heads=2), page_size=16, dtype=dtype)
     q_abs = random_q_abs(case)
     q_abs[0] = 0.5
@@ -193,6 +196,7 @@ def test_offset_sample_misses_the_max(dtype):
     case.batch.blocks[case.layer_idx].view(-1, case.batch.head_dim)[row] = 30.0
     out, lse = check_decode(case, q_abs)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert runs == [False, True], f"expected a sampled run then an exact rerun, got {runs} (seed {case.seed})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -38,7 +38,6 @@ MAX_BLOCK_KEYS = 8192
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one GEMM
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
 ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
-SAFE_SUM = 2.0**64  # a block sum above this means the sampled offset was too low: redo exactly
 WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -110,34 +109,46 @@ def unabsorb(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 # Online softmax over key blocks -----------------------------------------------------------
 @dataclass
 class _State:
-    """Running softmax of one group of query rows, base 2: exponentials are taken against the
-    offset ``-nm`` (``nm`` = +inf while no key was seen), ``l`` is their sum and ``acc`` the
-    unnormalised output (the matmul dtype until a second block arrives, then float32).
-    Leading dims ``...`` are ``()`` (dense: one sequence) or ``(G,)`` (sparse: G tokens)."""
+    """Softmax of one group of query rows, base 2: exponentials are taken against the offset
+    ``-nm`` (``nm`` = +inf while no key was seen), ``l`` is their sum and ``acc`` the unnormalised
+    output. Leading dims ``...`` are ``()`` (dense: one sequence) or ``(G,)`` (sparse: G tokens).
+    The same triple, in the call's batched buffers, is what every chunk finally leaves behind."""
 
     nm: torch.Tensor  # [..., M]
     l: torch.Tensor  # [..., M]
     acc: torch.Tensor  # [..., M, L]
 
 
-def _neg_offset(s_t: torch.Tensor, a: float, prev: torch.Tensor | None, exact: bool, stat: torch.dtype) -> torch.Tensor:
+def _neg_offset(
+    s_t: torch.Tensor, a: float, prev: torch.Tensor | None, exact: bool, stat: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
     """``-max(a * s)`` over this block's keys (and the previous offset), ``[..., M]``; +inf where no
     key is visible. ``exact=False`` takes the max over a strided sample of keys only.
 
     A sampled max is a lower bound; any offset within ~60 of the true max keeps every
-    exponential finite and exact in relative terms, so the caller only checks the block sum.
-    (The max over keys of a keys-major block is a strided reduction that costs more than the
-    exp itself when M = 16, hence the sample.)
+    exponential finite and exact in relative terms, and a failure shows as inf in the results,
+    which ``decode`` checks once (then reruns with exact maxima). The max over keys of a
+    keys-major block is a strided reduction that costs more than the exp itself when M = 16,
+    hence the sample. The offset may be rounded (bf16 product): it only has to be used
+    consistently, and it is.
     """
     n = s_t.shape[-2]
     rows = s_t if exact or n <= 2 * ESTIMATE_ROWS else s_t[..., :: n // ESTIMATE_ROWS, :]
-    m = rows.amax(-2).to(stat)
-    nm = torch.where(m == -math.inf, math.inf, 0.0) if a == 0.0 else m.mul_(-a)  # 0 * -inf is NaN
-    return nm if prev is None else torch.minimum(prev, nm)
+    m = rows.amax(-2)
+    if a == 0.0:  # 0 * -inf would be NaN
+        nm = torch.where(m == -math.inf, math.inf, 0.0).to(stat)
+    elif out is not None and prev is None:
+        return torch.mul(m, -a, out=out)
+    else:
+        nm = torch.mul(m, -a).to(stat)
+    if prev is not None:
+        nm = torch.minimum(prev, nm)
+    return nm if out is None else out.copy_(nm)
 
 
 def _exponentiate(
-    s_t: torch.Tensor, nm: torch.Tensor, a: float, keep: torch.Tensor | None, heads: int, stat: torch.dtype
+    s_t: torch.Tensor, nm: torch.Tensor, a: float, keep: torch.Tensor | None, heads: int, stat: torch.dtype,
+    l_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query-major ``p = 2^(a*s - offset)`` ``[..., M, n]`` (scratch) and its row sums (``stat``).
 
@@ -154,18 +165,19 @@ def _exponentiate(
     if keep is not None and a == 0.0:  # 0 * -inf: keep masked keys out explicitly
         p.view(*shape[:-2], -1, heads, shape[-1]).masked_fill_(~keep.unsqueeze(-2), -math.inf)
     p.exp2_()
-    return p, p.sum(-1, dtype=stat)
+    return p, torch.sum(p, -1, dtype=stat, out=l_out)
 
 
 def _block_step(
     state: _State | None, q_t: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None,
-    heads: int, a: float, L: int, stat: torch.dtype,
+    heads: int, a: float, L: int, stat: torch.dtype, exact: bool, dest: _State | None = None,
 ) -> _State:
     """Fold one key block into ``state``.
 
     ``q_t [..., D, M]`` (queries transposed; M = tok * heads, token-major), ``k [..., n, D]``
     (values = ``k[..., :L]``), ``keep [..., tok, n]`` bool or None (all visible);
-    ``a = scale * log2(e) >= 0``.
+    ``a = scale * log2(e) >= 0``. ``dest``: with no ``state`` (a first block), write the result
+    straight into these batched-buffer views (for a chunk that is a single block).
     """
     out = _workspace("scores", (*k.shape[:-1], q_t.shape[-1]), q_t.dtype, q_t.device)
     # Keys-major scores [..., n, M]: at M = 16 this GEMM orientation is ~1.6x faster than q @ k^T.
@@ -173,13 +185,12 @@ def _block_step(
     if keep is not None:
         s_t.view(*s_t.shape[:-1], -1, heads).masked_fill_(~keep.transpose(-1, -2).unsqueeze(-1), -math.inf)
     prev = None if state is None else state.nm
-    nm = _neg_offset(s_t, a, prev, keep is not None, stat)
-    p, l_blk = _exponentiate(s_t, nm, a, keep, heads, stat)
-    if keep is None and l_blk.max().item() > SAFE_SUM:  # the sampled offset was too low
-        nm = _neg_offset(s_t, a, prev, True, stat)
-        p, l_blk = _exponentiate(s_t, nm, a, keep, heads, stat)
+    direct = dest is not None and state is None
+    nm = _neg_offset(s_t, a, prev, exact or keep is not None, stat, dest.nm if direct else None)
+    p, l_blk = _exponentiate(s_t, nm, a, keep, heads, stat, dest.l if direct else None)
     v = k[..., :L]
-    pv = torch.mm(p, v) if v.dim() == 2 else torch.bmm(p, v)  # [..., M, L]
+    pv_out = dest.acc if direct else None
+    pv = torch.mm(p, v, out=pv_out) if v.dim() == 2 else torch.bmm(p, v, out=pv_out)  # [..., M, L]
     if state is None:
         return _State(nm, l_blk, pv)
     used = nm if keep is None else torch.where(nm == math.inf, 0.0, nm)
@@ -189,16 +200,28 @@ def _block_step(
     return _State(nm, state.l.mul_(alpha).add_(l_blk), acc)
 
 
-def _normalise(state: _State | None, out: torch.Tensor, lse: torch.Tensor, guard: bool = True) -> None:
+def _normalise(state: _State | None, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Write ``out [..., M, L] = acc / l`` and the natural-log ``lse [..., M]``; rows without keys
-    get 0 and -inf (``guard=False``: the caller knows every row saw a key)."""
+    get 0 and -inf."""
     if state is None:
         out.zero_()
         lse.fill_(-math.inf)
         return
-    l = torch.where(state.l > 0, state.l, 1.0) if guard else state.l  # unseen: acc = 0, nm = +inf
+    l = torch.where(state.l > 0, state.l, 1.0)  # unseen rows: acc = 0 and nm = +inf already
     torch.div(state.acc, l.unsqueeze(-1), out=out)
     torch.sub(torch.log(l), state.nm, alpha=LN2, out=lse)
+
+
+def _store(state: _State | None, dest: _State) -> None:
+    """Leave a chunk's final softmax state in the batched buffers ``dest``."""
+    if state is None:
+        dest.acc.zero_()
+        dest.l.zero_()
+        dest.nm.fill_(math.inf)
+    elif state.acc is not dest.acc:
+        dest.acc.copy_(state.acc)
+        dest.l.copy_(state.l)
+        dest.nm.copy_(state.nm)
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,21 +239,28 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
 
 
 def _run_parts(
-    parts: list, run_part: Callable[[tuple[int, int]], _State | None], out: torch.Tensor, lse: torch.Tensor, guard: bool
+    parts: list[tuple[int, int]], blocks_of: Callable[[int, int], list], step: Callable, dest: _State
 ) -> None:
-    """Run each partition alone and LSE-merge them into ``out``/``lse``; a single partition is
-    normalised in place (``guard``: some row may have seen no key)."""
+    """Run each partition's key blocks alone (``step(state, block, dest)``); one partition is
+    left in ``dest`` as is, several are normalised and LSE-merged first."""
     if len(parts) == 1:
-        _normalise(run_part(parts[0]), out, lse, guard)
+        blocks = blocks_of(*parts[0])
+        state = None
+        for blk in blocks:
+            state = step(state, blk, dest if len(blocks) == 1 else None)
+        _store(state, dest)
         return
     results = []
     for part in parts:
-        o, l = torch.empty_like(out), torch.empty_like(lse)
-        _normalise(run_part(part), o, l)
-        results.append((o, l))
-    o, l = _merge(results)
-    out.copy_(o)
-    lse.copy_(l)
+        state = None
+        for blk in blocks_of(*part):
+            state = step(state, blk, None)
+        o, lse = torch.empty(dest.acc.shape, dtype=dest.l.dtype, device=dest.l.device), torch.empty_like(dest.l)
+        _normalise(state, o, lse)
+        results.append((o, lse))
+    o, lse = _merge(results)
+    # A merged result is its own unnormalised state with l = 1 and offset lse.
+    _store(_State(torch.mul(lse, -LOG2E), torch.ones_like(lse), o), dest)
 
 
 # Planning -----------------------------------------------------------------------------------
@@ -323,7 +353,8 @@ class _PagedKeys:
 
 @dataclass
 class _Ctx:
-    """Everything a decode call shares."""
+    """Everything a decode call shares. Every chunk leaves its unnormalised softmax state in
+    the batched buffers ``acc``/``l``/``nm``; ``decode`` normalises all rows at once."""
 
     q: torch.Tensor  # [T, H, D] in the matmul dtype, sign folded so that the scale is >= 0
     keys: _PagedKeys
@@ -333,12 +364,21 @@ class _Ctx:
     mask: MaskVariant
     num_partitions: int | None
     stat: torch.dtype
-    out: torch.Tensor  # [T, H, L] float32 (float64 for float64 inputs)
-    lse: torch.Tensor  # [T, H]
+    acc: torch.Tensor  # [T, H, L] matmul dtype
+    l: torch.Tensor  # [T, H] stat
+    nm: torch.Tensor  # [T, H] stat
+    exact: bool = False  # exact block maxima (the rerun after a sampled offset failed)
 
     @property
     def H(self) -> int:
         return self.q.shape[1]
+
+    def rows(self, r0: int, r1: int, flat: bool) -> _State:
+        """Batched-buffer views of query rows ``r0:r1`` (``flat``: tokens and heads as one dim)."""
+        acc, l, nm = self.acc[r0:r1], self.l[r0:r1], self.nm[r0:r1]
+        if flat:
+            return _State(nm.view(-1), l.view(-1), acc.view(-1, self.L))
+        return _State(nm, l, acc)
 
 
 # Dense: every visible key of the sequence ---------------------------------------------------
@@ -356,19 +396,18 @@ def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, row0: int, tok: int, p_lo: int,
     block = max(1, min(MAX_BLOCK_KEYS, SCORE_BUDGET // M))
     q_pos = torch.arange(p_lo, p_hi + 1, device=q_t.device) if all_lo > lo or all_hi < hi else None
 
-    def run_part(part: tuple[int, int]) -> _State | None:
-        a, e = part
-        state = None
-        for z0, z1, masked in ((a, min(e, all_lo), True), (max(a, all_lo), min(e, all_hi), False), (max(a, all_hi), e, True)):
-            for k0, k1 in _blocks(z0, z1, block, ctx.keys.ps):
-                keep = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=q_t.device)[None, :]) if masked else None
-                state = _block_step(state, q_t, ctx.keys.rows(pages, k0, k1), keep, H, ctx.a, ctx.L, ctx.stat)
-        return state
+    def blocks_of(a: int, e: int) -> list[tuple[int, int, bool]]:
+        zones = ((a, min(e, all_lo), True), (max(a, all_lo), min(e, all_hi), False), (max(a, all_hi), e, True))
+        return [(k0, k1, masked) for z0, z1, masked in zones for k0, k1 in _blocks(z0, z1, block, ctx.keys.ps)]
+
+    def step(state: _State | None, blk: tuple[int, int, bool], dest: _State | None) -> _State:
+        k0, k1, masked = blk
+        keep = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=q_t.device)[None, :]) if masked else None
+        keys = ctx.keys.rows(pages, k0, k1)
+        return _block_step(state, q_t, keys, keep, H, ctx.a, ctx.L, ctx.stat, ctx.exact, dest)
 
     parts = _split(lo, hi, ctx.num_partitions or pick_num_partitions(hi - lo))
-    # Every query sees at least its own position, so a single partition has keys in every row.
-    out, lse = ctx.out[row0 : row0 + tok].view(M, ctx.L), ctx.lse[row0 : row0 + tok].view(M)
-    _run_parts(parts, run_part, out, lse, guard=False)
+    _run_parts(parts, blocks_of, step, ctx.rows(row0, row0 + tok, flat=True))
 
 
 def _dense(ctx: _Ctx) -> None:
@@ -419,15 +458,14 @@ def _sparse(ctx: _Ctx, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor 
         rows, keep = _sparse_rows(ctx, idx[t0:t1, :stride], seq[t0:t1], pos[t0:t1], topk, physical)
         q_t = ctx.q[t0:t1].transpose(1, 2)
 
-        def run_part(part: tuple[int, int]) -> _State | None:
-            state = None
-            for k0, k1 in _blocks(part[0], part[1], block, 1):
-                blk_keep = keep[:, None, k0:k1]
-                blk_keep = None if bool(blk_keep.all()) else blk_keep  # all visible: fast path
-                state = _block_step(state, q_t, ctx.keys.gather(rows[:, k0:k1]), blk_keep, H, ctx.a, ctx.L, ctx.stat)
-            return state
+        def step(state: _State | None, blk: tuple[int, int], dest: _State | None) -> _State:
+            k0, k1 = blk
+            blk_keep = keep[:, None, k0:k1]
+            blk_keep = None if bool(blk_keep.all()) else blk_keep  # all visible: fast path
+            keys = ctx.keys.gather(rows[:, k0:k1])
+            return _block_step(state, q_t, keys, blk_keep, H, ctx.a, ctx.L, ctx.stat, ctx.exact, dest)
 
-        _run_parts(parts, run_part, ctx.out[t0:t1], ctx.lse[t0:t1], guard=True)
+        _run_parts(parts, lambda a, e: _blocks(a, e, block, 1), step, ctx.rows(t0, t1, flat=False))
 
 
 # Entry point ------------------------------------------------------------------------------------
@@ -444,6 +482,13 @@ def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor, b
         sink = sink[seq]
     factor = torch.sigmoid(lse - sink).nan_to_num_(nan=0.0)  # -inf - (-inf): no key and no sink weight
     out.mul_(factor.unsqueeze(-1).to(out.dtype))
+
+
+def _run(ctx: _Ctx, sparse_indices, topk_lengths, physical_indices: bool) -> None:
+    if sparse_indices is None:
+        _dense(ctx)
+    else:
+        _sparse(ctx, sparse_indices, topk_lengths, physical_indices)
 
 
 def decode(
@@ -476,13 +521,16 @@ def decode(
     ctx = _Ctx(
         q=q.contiguous(), keys=_PagedKeys(batch, layer_idx, mm_dtype), batch=batch, a=float(scale) * LOG2E,
         L=kv_lora_rank, mask=mask, num_partitions=num_partitions, stat=stat,
-        out=_alloc((T, H, kv_lora_rank), stat, device), lse=_alloc((T, H), stat, device),
+        acc=_alloc((T, H, kv_lora_rank), mm_dtype, device), l=_alloc((T, H), stat, device), nm=_alloc((T, H), stat, device),
     )
     if T:
-        if sparse_indices is None:
-            _dense(ctx)
-        else:
-            _sparse(ctx, sparse_indices, topk_lengths, physical_indices)
-        if attn_sink is not None:
-            _apply_sink(ctx.out, ctx.lse, attn_sink, batch)
-    return ctx.out.to(q_abs.dtype), ctx.lse.float()
+        _run(ctx, sparse_indices, topk_lengths, physical_indices)
+        if not (bool(torch.isfinite(ctx.l).all()) and bool(torch.isfinite(ctx.acc).all())):
+            ctx.exact = True  # a sampled block offset was too low somewhere (or the inputs hold inf/NaN)
+            _run(ctx, sparse_indices, topk_lengths, physical_indices)
+    out = _alloc((T, H, kv_lora_rank), q_abs.dtype if attn_sink is None else stat, device)
+    lse = _alloc((T, H), stat, device)
+    _normalise(_State(ctx.nm, ctx.l, ctx.acc), out, lse)
+    if attn_sink is not None and T:
+        _apply_sink(out, lse, attn_sink, batch)
+    return out.to(q_abs.dtype), lse.float()
