@@ -38,7 +38,6 @@ MAX_BLOCK_KEYS = 8192
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one GEMM
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
 ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
-WIDE_PV_MAX_HEADS = 64  # below this many heads P.V produces all D columns (see decode)
 WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -361,7 +360,7 @@ class _Ctx:
     keys: _PagedKeys
     batch: CacheBatch
     a: float  # scale * log2(e), >= 0
-    Lv: int  # value columns the second GEMM produces (L, or all D when that is faster)
+    Lv: int  # value columns, L (kv_lora_rank)
     mask: MaskVariant
     num_partitions: int | None
     stat: torch.dtype
@@ -522,9 +521,7 @@ def decode(
     q = q_abs.to(mm_dtype)
     if scale < 0:  # negating q is exact; the softmax then only sees a scale >= 0
         q, scale = -q, -scale
-    # With few query rows the second GEMM runs faster over all D key columns (contiguous B)
-    # than over the first L (strided B): ~10% at H = 16, despite the extra columns.
-    Lv = q_abs.shape[2] if H < WIDE_PV_MAX_HEADS else kv_lora_rank
+    Lv = kv_lora_rank
     ctx = _Ctx(
         q=q.contiguous(), keys=_PagedKeys(batch, layer_idx, mm_dtype), batch=batch, a=float(scale) * LOG2E,
         Lv=Lv, mask=mask, num_partitions=num_partitions, stat=stat,
@@ -537,7 +534,7 @@ def decode(
             _run(ctx, sparse_indices, topk_lengths, physical_indices)
     out = _alloc((T, H, kv_lora_rank), q_abs.dtype if attn_sink is None else stat, device)
     lse = _alloc((T, H), stat, device)
-    _normalise(_State(ctx.nm, ctx.l, ctx.acc[..., :kv_lora_rank]), out, lse)
+    _normalise(_State(ctx.nm, ctx.l, ctx.acc), out, lse)
     if attn_sink is not None and T:
         _apply_sink(out, lse, attn_sink, batch)
     return out.to(q_abs.dtype), lse.float()
