@@ -211,10 +211,10 @@ RESCALE_MARGIN = 8.0  # let block weights reach e^8 before rescaling the accumul
 class State:
     """Running attention state of every query row, float32, head-major.
 
-    ``acc [H, T, Dv]`` = sum over key blocks of ``exp(lse_b - ref) * o_b``, ``l [H, T]`` = sum of
+    ``acc [H, T, Dv]`` = sum over key blocks of ``exp(lse_b - ref) * o_b``, ``wsum [H, T]`` = sum of
     the same weights, ``ref [H, T]`` a reference LSE moved up only when a block's LSE exceeds it
     by ``RESCALE_MARGIN`` (so most blocks cost one fused multiply-add). Then
-    ``out = acc / l`` and ``lse = ref + log(l)``. ``acc`` starts undefined (a reused scratch
+    ``out = acc / wsum`` and ``lse = ref + log(wsum)``. ``acc`` starts undefined (a reused scratch
     buffer): the first block a row receives is written, later ones merged; rows that never
     receive one are zeroed at the end.
     """
@@ -222,17 +222,17 @@ class State:
     def __init__(self, num_heads: int, num_rows: int, v_depth: int, device: torch.device) -> None:
         self.acc = _workspace("acc", (num_heads, num_rows, v_depth), F32, device)
         self.ref = torch.full((num_heads, num_rows), NEG_INF, dtype=F32, device=device)
-        self.l = torch.zeros(num_heads, num_rows, dtype=F32, device=device)
+        self.wsum = torch.zeros(num_heads, num_rows, dtype=F32, device=device)
         self.started = bytearray(num_rows)  # 1 where acc holds a block's result
 
     def add(self, rows: slice, o: torch.Tensor, lse_b: torch.Tensor) -> None:
         """Fold one block result (``o [H, m, Dv]``, ``lse_b [H, m]``) into rows ``rows``."""
-        acc, ref, l = self.acc[:, rows], self.ref[:, rows], self.l[:, rows]
+        acc, ref, wsum = self.acc[:, rows], self.ref[:, rows], self.wsum[:, rows]
         a, b = rows.start, rows.stop
         if self.started.find(1, a, b) < 0:  # nothing here yet: write
             acc.copy_(o)
             ref.copy_(lse_b)
-            l.copy_(lse_b > NEG_INF)
+            wsum.copy_(lse_b > NEG_INF)
             self.started[a:b] = b"\x01" * (b - a)
             return
         if self.started.find(0, a, b) >= 0:  # partly started: the fresh rows hold nothing
@@ -243,20 +243,20 @@ class State:
         if bool(grow.any()):
             factor = torch.where(grow, (ref - lse_b).exp_(), 1.0)
             acc.mul_(factor.unsqueeze(2))
-            l.mul_(factor)
+            wsum.mul_(factor)
             ref.copy_(torch.where(grow, lse_b, ref))
         w = (lse_b - ref).exp_().nan_to_num_(nan=0.0)  # -inf - -inf: a row that saw nothing yet
         acc.addcmul_(o, w.unsqueeze(2))
-        l.add_(w)
+        wsum.add_(w)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise in place: ``acc`` becomes ``out [H, T, Dv]``; returns it and ``lse [H, T]``."""
         if self.started.find(0) >= 0:
             never = torch.frombuffer(bytearray(self.started), dtype=torch.uint8).to(self.acc.device) == 0
             self.acc.masked_fill_(never[None, :, None], 0.0)
-        seen = self.l > 0
-        self.acc.div_(torch.where(seen, self.l, 1.0).unsqueeze(2))
-        lse = torch.where(seen, self.ref + self.l.log(), NEG_INF)
+        seen = self.wsum > 0
+        self.acc.div_(torch.where(seen, self.wsum, 1.0).unsqueeze(2))
+        lse = torch.where(seen, self.ref + self.wsum.log(), NEG_INF)
         return self.acc, lse
 
 
@@ -342,8 +342,8 @@ def _attend_rows(
             work = h * max(0, top[1] - top[0]) + (m - h) * max(0, bottom[1] - bottom[0])
             if work <= SPLIT_GAIN * m * (b - a):
                 # q_blk[:, :h] is not packed: bmm copies it, which costs far less than the saved work
-                _attend_rows(q_blk[:, :h], row0, p_lo, keys, a, b, mask, kv_len, state, False)
-                _attend_rows(q_blk[:, h:], row0 + h, p_lo + h, keys, a, b, mask, kv_len, state, False)
+                _attend_rows(q_blk[:, :h], row0, p_lo, keys, a, b, mask, kv_len, state, True)
+                _attend_rows(q_blk[:, h:], row0 + h, p_lo + h, keys, a, b, mask, kv_len, state, True)
                 continue
         kT, v = keys.kT[j - 1], keys.v[j - 1]
         if (b - a) * SLICE_BELOW < b1 - b0:
