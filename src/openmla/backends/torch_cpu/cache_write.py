@@ -104,7 +104,10 @@ def write_cache(
     R = kv.shape[1] - kv_norm_gamma.shape[0]
     Dn = q.shape[2] - R
     seq, pos = token_positions(batch, device)
-    if kv.shape[0]:
+    if kv.shape[0] and not batch.is_native:  # fp8 formats: float32 entries, quantised by the cache
+        entries = cache_entries(kv, freqs_cis, kv_norm_gamma, pos, epsilon, interleaved, torch.float32)
+        batch.write_rows(layer_idx, token_rows(batch, seq, pos), entries)
+    elif kv.shape[0]:
         entries = cache_entries(kv, freqs_cis, kv_norm_gamma, pos, epsilon, interleaved, batch.blocks.dtype)
         _scatter(batch, layer_idx, token_rows(batch, seq, pos).to(batch.blocks.device), entries.to(batch.blocks.device))
     q_rot = torch.empty_like(q, memory_format=torch.contiguous_format)
