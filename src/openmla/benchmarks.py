@@ -57,12 +57,14 @@ class Problem:
     w_uv: torch.Tensor
 
 
-def _problem(cfg: MLAConfig, batch: int, context: int, new: int, page_size: int, dtype: torch.dtype, seed: int = 0) -> tuple[Problem, object]:
+def _problem(cfg: MLAConfig, batch: int, context: int, new: int, page_size: int, dtype: torch.dtype, seed: int = 0,
+             cache_dtype: torch.dtype | str | None = None) -> tuple[Problem, object]:
     g = torch.Generator().manual_seed(seed)
     H, L, R, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     pages = batch * -(-(context + new) // page_size)
-    cache = PagedLatentCache(1, pages, page_size, L + R, dtype)
-    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=g).to(dtype))
+    cache = PagedLatentCache(1, pages, page_size, L + R, cache_dtype or dtype, rope_dim=R)
+    entries = torch.randn(pages * page_size, L + R, generator=g)
+    cache.prepare([], []).write_rows(0, torch.arange(pages * page_size), entries)
     ids = list(range(batch))
     if context:
         cache.commit(cache.prepare(ids, [context] * batch))
@@ -75,7 +77,7 @@ def _problem(cfg: MLAConfig, batch: int, context: int, new: int, page_size: int,
 def _time_fused(prob: Problem, batch, new_total: int, backend: str | None, repeats: int) -> float:
     cfg = prob.cfg
     g = torch.Generator().manual_seed(1)
-    dtype = prob.cache.blocks.dtype
+    dtype = prob.gamma.dtype
     q = torch.randn(new_total, cfg.num_heads, cfg.qk_head_dim, generator=g).to(dtype)
     kv = torch.randn(new_total, cfg.cache_head_dim, generator=g).to(dtype)
     run = lambda: mla_prefill_decode_graph(q, kv, batch.input_row_offsets, prob.freqs, prob.gamma, batch, 0, prob.w_k,  # noqa: E731
@@ -103,8 +105,9 @@ def eager_mla(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w_k: 
 def _time_eager(prob: Problem, batch_size: int, context: int, new: int, repeats: int) -> float:
     cfg = prob.cfg
     L = cfg.kv_lora_rank
-    dtype = prob.cache.blocks.dtype
-    flat = prob.cache.blocks[0].reshape(-1, cfg.cache_head_dim)
+    dtype = prob.gamma.dtype
+    view = prob.cache.prepare([], [])  # the baseline gets a dense copy of the cache in the compute dtype
+    flat = view.read_pages(0, torch.arange(view.num_pages), dtype).reshape(-1, cfg.cache_head_dim)
     S = context + new
     entries = [flat[i * -(-S // prob.cache.page_size) * prob.cache.page_size:][:S].contiguous() for i in range(batch_size)]
     q = torch.randn(new, cfg.num_heads, cfg.qk_head_dim).to(dtype)
@@ -145,7 +148,7 @@ def _layer_pair(cfg: MLAConfig, dtype: torch.dtype, backend: str | None):
 
 
 def _time_layers(cfg: MLAConfig, batch_size: int, context: int, dtype: torch.dtype, backend: str | None, page_size: int,
-                 repeats: int) -> tuple[float, float]:
+                 repeats: int, cache_dtype: torch.dtype | str | None = None) -> tuple[float, float]:
     """Seconds of one decode step (1 new token per sequence) for openmla's layer and transformers'."""
     from transformers import DynamicCache
 
@@ -169,7 +172,8 @@ def _time_layers(cfg: MLAConfig, batch_size: int, context: int, dtype: torch.dty
 
         t_hf = median_time(hf_step, repeats=repeats)
         # openmla: the same prompts in the paged cache, then one decode step per call.
-        cache = PagedLatentCache(1, batch_size * -(-(context + 1) // page_size), page_size, cfg.cache_head_dim, dtype)
+        cache = PagedLatentCache(1, batch_size * -(-(context + 1) // page_size), page_size, cfg.cache_head_dim,
+                                 cache_dtype or dtype, rope_dim=cfg.qk_rope_head_dim)
         ids = list(range(batch_size))
         pre = cache.prepare(ids, [context] * batch_size)
         ours(prompt.reshape(-1, cfg.hidden_size), pre)
@@ -188,6 +192,7 @@ def run_bench(
     batch: int = 4,
     page_size: int = 64,
     dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: torch.dtype | str | None = None,
     backend: str | None = None,
     baselines: bool = True,
     repeats: int = 3,
@@ -201,7 +206,7 @@ def run_bench(
         cfg = preset(preset_name, H)
         for S in contexts:
             # decode: `batch` sequences with S cached tokens, one new token each.
-            prob, b = _problem(cfg, batch, S, 1, page_size, dtype)
+            prob, b = _problem(cfg, batch, S, 1, page_size, dtype, cache_dtype=cache_dtype)
             t = _time_fused(prob, b, batch, backend, repeats)
             rows.append(BenchRow("decode", "openmla", H, S, batch, t, fused_op_flops(cfg, [S] * batch, [1] * batch, True)))
             eager_flops = batch * (prefill_attention_flops(cfg, S + 1) + up_projection_flops(cfg, S + 1))
@@ -210,13 +215,13 @@ def run_bench(
                 # Credit both layers with the same (openmla's) FLOP count: the work the step needs.
                 layer_flops = fused_op_flops(cfg, [S] * batch, [1] * batch, True) + projection_flops(cfg, batch)
                 try:
-                    t_ours, t_hf = _time_layers(cfg, batch, S, dtype, backend, page_size, repeats)
+                    t_ours, t_hf = _time_layers(cfg, batch, S, dtype, backend, page_size, repeats, cache_dtype)
                     rows.append(BenchRow("layer-decode", "openmla-layer", H, S, batch, t_ours, layer_flops))
                     rows.append(BenchRow("layer-decode", "transformers", H, S, batch, t_hf, layer_flops))
                 except ImportError as exc:
                     log(f"transformers baseline skipped: {exc}")
             # prefill: one sequence of S new tokens, causal.
-            prob, b = _problem(cfg, 1, 0, S, page_size, dtype)
+            prob, b = _problem(cfg, 1, 0, S, page_size, dtype, cache_dtype=cache_dtype)
             flops = fused_op_flops(cfg, [0], [S], False)
             rows.append(BenchRow("prefill", "openmla", H, S, 1, _time_fused(prob, b, S, backend, repeats), flops))
             dense_bytes = H * S * S * 4

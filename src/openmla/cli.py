@@ -14,6 +14,12 @@ from rich.table import Table
 from .config import PRESETS, preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_ds_mla")
+
+
+def _cache_dtype(args: argparse.Namespace):
+    """``--cache-dtype``: ``same`` stores entries in the compute dtype, else an fp8 format."""
+    return None if args.cache_dtype == "same" else args.cache_dtype
 console = Console()
 
 
@@ -44,7 +50,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         report = run_demo(cfg, num_requests=args.requests, max_running=args.max_running,
                           prompt_range=(args.prompt_min, args.prompt_max), gen_range=(args.gen_min, args.gen_max),
-                          page_size=args.page_size, num_pages=args.num_pages, dtype=dtype, backend=args.backend,
+                          page_size=args.page_size, num_pages=args.num_pages, dtype=dtype,
+                          cache_dtype=_cache_dtype(args), backend=args.backend,
                           seed=args.seed, check=not args.no_check, on_step=on_step)
     peak = report.matmul_flops_per_s
     table = Table(title=f"openmla demo — backend {report.backend}, {args.dtype}, {cfg.num_heads} heads")
@@ -59,6 +66,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     facts.add_row("requests served", str(report.requests))
     facts.add_row("cache pages", f"peak {report.peak_pages} of {report.num_pages} (page {report.page_size}), "
                   f"{report.pages_in_use_at_end} in use at the end")
+    facts.add_row("cache format", f"{report.cache_format}, {report.bytes_per_token} bytes per token and layer")
     if report.check_error is not None:
         tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
         verdict = "[green]pass[/]" if report.check_error <= tol else "[red]FAIL[/]"
@@ -116,7 +124,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     dtype = DTYPES[args.dtype]
     rows, peak = run_bench(preset_name=args.preset, heads=args.heads, contexts=args.contexts, batch=args.batch,
-                           page_size=args.page_size, dtype=dtype, backend=args.backend, baselines=not args.no_baselines,
+                           page_size=args.page_size, dtype=dtype, cache_dtype=_cache_dtype(args), backend=args.backend,
+                           baselines=not args.no_baselines,
                            repeats=args.repeats, log=lambda s: console.print(s, highlight=False))
     table = Table(title=f"openmla bench — {args.dtype}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
     for col in ("phase", "impl", "heads", "context", "batch", "ms", "achieved", "of matmul", "openmla speed-up"):
@@ -150,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--page-size", type=int, default=64)
     d.add_argument("--num-pages", type=int, default=None, help="page pool size (default: a tight pool)")
     d.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    d.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
     d.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
@@ -162,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=4, help="sequences per decode step")
     b.add_argument("--page-size", type=int, default=64)
     b.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    b.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
     b.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-baselines", action="store_true")

@@ -69,6 +69,8 @@ class DemoReport:
     pages_in_use_at_end: int = 0
     num_pages: int = 0
     page_size: int = 0
+    cache_format: str = "native"
+    bytes_per_token: int = 0
     check_error: float | None = None
     check_what: str = ""
     wall_seconds: float = 0.0
@@ -87,9 +89,8 @@ def _init_weights(layer: LatentAttention, seed: int) -> None:
 @torch.inference_mode()
 def _reference_check(layer: LatentAttention, hidden: torch.Tensor, batch: CacheBatch, layer_out: torch.Tensor) -> float:
     """Re-run one step with the float64 reference backend on a copy of the cache; relative error."""
-    blocks = batch.blocks.clone()
     # The step already wrote its tokens; writing them again from the same input is idempotent.
-    copy = CacheBatch(blocks, batch.block_table, batch.cache_lengths, batch.input_row_offsets, batch.page_size, batch.seq_ids)
+    copy = batch.with_blocks(batch.blocks.clone())
     saved = layer.backend
     layer.backend = "reference"
     try:
@@ -112,6 +113,7 @@ def run_demo(
     page_size: int = 64,
     num_pages: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: torch.dtype | str | None = None,
     backend: str | None = None,
     seed: int = 0,
     check: bool = True,
@@ -126,13 +128,14 @@ def run_demo(
     if num_pages is None:
         # Room for about half the batch limit at full length: admission control has work to do.
         num_pages = max(-(-longest // page_size) * max(2, max_running // 2 + 1), -(-longest // page_size) + 1)
-    cache = PagedLatentCache(1, num_pages, page_size, config.cache_head_dim, dtype)
+    cache = PagedLatentCache(1, num_pages, page_size, config.cache_head_dim, cache_dtype or dtype, rope_dim=config.qk_rope_head_dim)
     waiting = deque(Request(i, rng.randint(*prompt_range), rng.randint(*gen_range)) for i in range(num_requests))
     running: dict[int, Request] = {}
     from .backends import resolve_backend_name
 
     report = DemoReport(config, resolve_backend_name(backend, torch.device("cpu")), dtype, matmul_rate(dtype=dtype),
-                        num_pages=num_pages, page_size=page_size, requests=num_requests)
+                        num_pages=num_pages, page_size=page_size, requests=num_requests, cache_format=cache.cache_format,
+                        bytes_per_token=cache.bytes_per_token)
     hidden_std = 1.0
     t_start = time.perf_counter()
     finished = 0
