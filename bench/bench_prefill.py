@@ -214,19 +214,40 @@ def run_case(name: str, prob: Problem, reps: int, probe: MatmulProbe, fused: boo
 
 
 # 32k chunked prefill memory (subprocess) -------------------------------------------------
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in KiB; -1 where unavailable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
 def memory_child(tokens: int, buffer_size: int, heads: int) -> None:
-    """Build the problem, then report the peak RSS growth of one chunked mla_prefill call."""
+    """Build the problem, then report the peak RSS growth of one chunked mla_prefill call.
+
+    Two readings: ``ru_maxrss`` after minus before (the brief's measure; it can carry the
+    parent's high-water mark over exec, so the parent runs this first), and the kernel's
+    per-process high-water mark ``VmHWM``, reset right before the call (``clear_refs``)."""
     prob = Problem(heads, [0], [tokens], seed=3)
-    torch.manual_seed(0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        rss0 = _status_kib("VmRSS")
+    except OSError:
+        rss0 = -1
     t0 = time.perf_counter()
     out = prob.prefill(buffer_size=buffer_size)
     secs = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    hwm = _status_kib("VmHWM")
     fl = prob.flops()["total"]
     print(json.dumps({"tokens": tokens, "buffer_size": buffer_size, "heads": heads, "seconds": secs,
                       "gflops": fl / secs / 1e9, "peak_rss_before_mib": before / 1024,
                       "peak_rss_after_mib": after / 1024, "peak_extra_mib": (after - before) / 1024,
+                      "hwm_extra_mib": (hwm - rss0) / 1024 if rss0 >= 0 and hwm >= 0 else None,
                       "output_mib": out.numel() * out.element_size() / 2**20,
                       "finite": bool(torch.isfinite(out).all())}))
 
@@ -255,6 +276,12 @@ def main() -> None:
 
     info = machine()
     info["load_before"] = os.getloadavg()
+    memory = None
+    if not args.no_memory:  # first, while this process is still small (see memory_child)
+        memory = memory_run(32768, 8192, 16)
+        print(f"32k tokens, buffer_size 8192, H=16: {memory['seconds']:.1f} s ({memory['gflops']:.0f} GFLOP/s), "
+              f"peak extra RSS {memory['peak_extra_mib']:.0f} MiB (VmHWM: {memory['hwm_extra_mib']:.0f} MiB; "
+              f"the output alone is {memory['output_mib']:.0f} MiB)", flush=True)
     probe = MatmulProbe()
     for _ in range(7):
         probe.sample()
@@ -285,12 +312,6 @@ def main() -> None:
         sdpa["flash_v_padded"] = flash
         print(f"  SDPA flash kernel, v padded to 192 ({flash['shape']}): {flash['median_s'] * 1e3:.0f} ms, "
               f"{flash['gflops']:.1f} GFLOP/s of the real problem", flush=True)
-
-    memory = None
-    if not args.no_memory:
-        memory = memory_run(32768, 8192, 16)
-        print(f"  32k tokens, buffer_size 8192, H=16: {memory['seconds']:.1f} s ({memory['gflops']:.0f} GFLOP/s), "
-              f"peak extra RSS {memory['peak_extra_mib']:.0f} MiB (output alone {memory['output_mib']:.0f} MiB)", flush=True)
 
     info["load_after"] = os.getloadavg()
     mm = probe.best()
