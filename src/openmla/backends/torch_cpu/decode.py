@@ -30,10 +30,11 @@ from .cache_write import token_positions
 
 __all__ = ["absorb", "unabsorb", "decode", "pick_num_partitions"]
 
-# Tuning, measured on a 2-core Zen 4 in bf16 (bench/RESULTS.md). One block of scores holds at
-# most SCORE_BUDGET elements (M=128 query rows: 2048 keys, so the float32 probabilities stay
-# L2-sized) and spans at most MAX_BLOCK_KEYS keys (M=16: one block for a 4K context).
-SCORE_BUDGET = 1 << 18
+# Tuning, measured in place on a 2-core Zen 4 in bf16 (bench/RESULTS.md). One block of scores
+# holds at most SCORE_BUDGET elements (M = 128 query rows: 4096 keys; 2048 measured the same,
+# 8192 ~5% slower) and spans at most MAX_BLOCK_KEYS keys (M = 16: one block for a 4K context;
+# 4096-key blocks measured ~20% slower).
+SCORE_BUDGET = 1 << 19
 MAX_BLOCK_KEYS = 8192
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one GEMM
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
