@@ -39,6 +39,7 @@ MAX_BLOCK_KEYS = 8192
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one GEMM
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
 ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
+WIDE_P_ROWS = 64  # from this many query rows on, probabilities are exponentiated in float32
 WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -151,22 +152,27 @@ def _exponentiate(
     s_t: torch.Tensor, nm: torch.Tensor, a: float, keep: torch.Tensor | None, heads: int, stat: torch.dtype,
     l_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query-major ``p = 2^(a*s - offset)`` ``[..., M, n]`` (scratch) and its row sums (``stat``).
+    """Query-major ``p = 2^(a*s - offset)`` ``[..., M, n]`` (scratch, matmul dtype) and its row
+    sums (``stat``). ``a*s - offset`` is always formed in float32.
 
-    p is written query-major so the second GEMM reads it untransposed (faster at M = 16), and in
-    the scores' dtype: with bf16, ``a*s - offset`` is formed in float32 and rounded once, p is
-    exactly what the GEMM consumes and its sum accumulates in float32. Against float32 p plus a
-    conversion pass this saves a third of the elementwise traffic (H=16 decode: ~9% faster)
-    for an LSE error of ~3e-3 instead of ~2e-3 (outputs: both within bf16 rounding).
+    p is written query-major so the second GEMM reads it untransposed (faster at M = 16). With
+    16-bit scores and few rows (M < WIDE_P_ROWS) p is exponentiated directly in 16 bits and summed
+    with float32 accumulation, which saves a conversion pass (~3% at H = 16, for an LSE error of
+    ~3e-3 instead of ~2e-3); with many rows float32 p plus a conversion measured ~2% faster.
     """
     if keep is not None:  # a row may have no visible key here (nm = +inf): use offset 0
         nm = torch.where(nm == math.inf, 0.0, nm)
     shape = (*s_t.shape[:-2], s_t.shape[-1], s_t.shape[-2])
-    p = torch.add(nm.unsqueeze(-1), s_t.transpose(-1, -2), alpha=a, out=_workspace("probs", shape, s_t.dtype, s_t.device))
+    direct = s_t.dtype == stat or s_t.shape[-1] < WIDE_P_ROWS
+    p = torch.add(nm.unsqueeze(-1), s_t.transpose(-1, -2), alpha=a,
+                  out=_workspace("probs", shape, s_t.dtype if direct else stat, s_t.device))
     if keep is not None and a == 0.0:  # 0 * -inf: keep masked keys out explicitly
         p.view(*shape[:-2], -1, heads, shape[-1]).masked_fill_(~keep.unsqueeze(-2), -math.inf)
     p.exp2_()
-    return p, torch.sum(p, -1, dtype=stat, out=l_out)
+    if direct:
+        return p, torch.sum(p, -1, dtype=stat, out=l_out)
+    l = torch.sum(p, -1, out=l_out)
+    return _workspace("probs_mm", shape, s_t.dtype, s_t.device).copy_(p), l
 
 
 def _block_step(
