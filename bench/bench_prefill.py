@@ -88,8 +88,8 @@ def guarded(fn: Callable[[], object], reps: int, probe: MatmulProbe, healthy: fl
     ``healthy`` x the best rate seen (another process on this 2-core machine shows up there).
     Runs until ``reps`` clean runs or ``3*reps`` attempts; the median is over clean runs (all
     runs if none was clean, flagged ``clean=0``)."""
-    fn()
-    for _ in range(3):
+    for _ in range(3):  # warm-up: oneDNN primitives, scratch buffers, the allocator's arenas
+        fn()
         probe.sample()
     clean, dirty = [], []
     for _ in range(3 * reps):
