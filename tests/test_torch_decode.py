@@ -35,7 +35,7 @@ DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     """Decode output buffers start as NaN, so a row the backend forgets to write shows."""
-    monkeypatch.setattr(tdec, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
+    monkeypatch.setattr(tdec, "_alloc", lambda shape, dtype, device, scratch=None: torch.full(shape, math.nan, dtype=dtype, device=device))
 
 
 # Helpers ------------------------------------------------------------------------------
