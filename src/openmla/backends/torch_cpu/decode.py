@@ -40,6 +40,7 @@ MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) folded into one GEMM
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
 ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
 WIDE_P_ROWS = 64  # from this many query rows on, probabilities are exponentiated in float32
+QUERY_MAJOR_ROWS = 64  # from this many query rows on, unmasked dense scores are query-major
 WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -189,9 +190,16 @@ def _block_step(
     ``a = scale * log2(e) >= 0``. ``dest``: with no ``state`` (a first block), write the result
     straight into these batched-buffer views (for a chunk that is a single block).
     """
-    out = _workspace("scores", (*k.shape[:-1], q_t.shape[-1]), q_t.dtype, q_t.device)
-    # Keys-major scores [..., n, M]: at M = 16 this GEMM orientation is ~1.6x faster than q @ k^T.
-    s_t = torch.mm(k, q_t, out=out) if k.dim() == 2 else torch.bmm(k, q_t, out=out)
+    M = q_t.shape[-1]
+    if keep is None and k.dim() == 2 and M >= QUERY_MAJOR_ROWS:
+        # Many rows: query-major scores. The GEMM is ~5% slower than keys-major, but the
+        # exponent pass then reads contiguously and the exact row max is cheap (net ~3%).
+        s = torch.mm(q_t.t(), k.t(), out=_workspace("scores_qm", (M, k.shape[0]), q_t.dtype, q_t.device))
+        s_t, exact = s.t(), True
+    else:
+        # Keys-major scores [..., n, M]: at M = 16 this GEMM runs ~1.6x faster than q @ k^T.
+        out = _workspace("scores", (*k.shape[:-1], M), q_t.dtype, q_t.device)
+        s_t = torch.mm(k, q_t, out=out) if k.dim() == 2 else torch.bmm(k, q_t, out=out)
     if keep is not None:
         s_t.view(*s_t.shape[:-1], -1, heads).masked_fill_(~keep.transpose(-1, -2).unsqueeze(-1), -math.inf)
     prev = None if state is None else state.nm
