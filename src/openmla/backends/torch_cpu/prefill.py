@@ -11,7 +11,8 @@ visible to every query of the block. One key block costs two ``bmm`` (scores, th
 input dtype; bf16 GEMMs accumulate in float32 and round once) and one fused ``torch.softmax``
 (float32 inside). The block's log-sum-exp needs no extra exp pass: a row's largest probability
 is ``exp(max - lse)``, so ``lse = max(S) - log(max(P))`` (both maxima read as integers, which is
-~10x faster than a bf16 reduction). Blocks fold into a float32 running state by LSE.
+~10x faster than a bf16 reduction). Blocks fold into a float32 running state by LSE (float64
+for float64 inputs).
 
 ``prefill`` cuts the keys of the batch into chunks (``ops.mla_prefill_plan``), gathers each
 chunk's latent rows through the page table, up-projects them block by block straight into the
@@ -33,6 +34,11 @@ from ...masks import MaskVariant
 
 NEG_INF = float("-inf")
 F32 = torch.float32
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and accumulation: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else F32
 
 # Tiles measured on a 2-core Zen 4 (bench/bench_prefill.py, bench/RESULTS.md): 256 x 512 for up
 # to 32 heads; with more heads the score block (heads x block_m x block_n) is capped, query rows
@@ -198,7 +204,8 @@ def attend_block(
     # The largest probability of a row is exp(max - lse) = 1 / sum(exp(s - max)); p >= 0, so its
     # integer bits order like the floats.
     p_max = p.view(_BITS[p.dtype]).amax(dim=2).view(p.dtype)
-    lse = s_max.to(F32).sub_(p_max.to(F32).log_())
+    stat = stat_dtype(p.dtype)
+    lse = s_max.to(stat).sub_(p_max.to(stat).log_())
     if dead is not None:
         lse.masked_fill_(dead, NEG_INF)
     return o, lse
@@ -219,10 +226,10 @@ class State:
     receive one are zeroed at the end.
     """
 
-    def __init__(self, num_heads: int, num_rows: int, v_depth: int, device: torch.device) -> None:
-        self.acc = _workspace("acc", (num_heads, num_rows, v_depth), F32, device)
-        self.ref = torch.full((num_heads, num_rows), NEG_INF, dtype=F32, device=device)
-        self.wsum = torch.zeros(num_heads, num_rows, dtype=F32, device=device)
+    def __init__(self, num_heads: int, num_rows: int, v_depth: int, device: torch.device, dtype: torch.dtype = F32) -> None:
+        self.acc = _workspace("acc", (num_heads, num_rows, v_depth), dtype, device)
+        self.ref = torch.full((num_heads, num_rows), NEG_INF, dtype=dtype, device=device)
+        self.wsum = torch.zeros(num_heads, num_rows, dtype=dtype, device=device)
         self.started = bytearray(num_rows)  # 1 where acc holds a block's result
 
     def add(self, rows: slice, o: torch.Tensor, lse_b: torch.Tensor) -> None:
@@ -447,7 +454,7 @@ def flare_mla_prefill(
     co = [int(x) for x in cache_offsets.tolist()]
     offs, cache_lens, seq_lens = batch.offsets_list, batch.cache_lengths_list, batch.seq_lens_list
     block_m, block_n = pick_tiles(tile, H)
-    state = State(H, T, Dv, q.device)
+    state = State(H, T, Dv, q.device, stat_dtype(dtype))
     # Per sequence: the keys some query sees (others are never read).
     todo = []
     for b in range(batch.batch_size):
@@ -529,7 +536,7 @@ def up_project(
 def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor, batch: CacheBatch) -> None:
     """``out *= 1 / (1 + exp(sink - lse))`` in place (``out [H, T, Dv]``, ``lse [H, T]``);
     ``attn_sink [H]`` or ``[B, H]``."""
-    sink = attn_sink.to(device=out.device, dtype=F32)
+    sink = attn_sink.to(device=out.device, dtype=out.dtype)
     if sink.dim() == 1:
         sink = sink[:, None]  # [H, 1]
     else:
@@ -584,7 +591,7 @@ def prefill(
     T, H, Dq = q_rot.shape
     Dv, L = w_uv.shape[1], w_uv.shape[2]
     dtype = q_rot.dtype
-    state = State(H, T, Dv, q_rot.device)
+    state = State(H, T, Dv, q_rot.device, stat_dtype(dtype))
     total = sum(batch.seq_lens_list)
     if T and total:
         if buffer_size is None:
