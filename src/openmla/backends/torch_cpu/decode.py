@@ -427,8 +427,18 @@ def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, row0: int, tok: int, p_lo: int,
         keys = ctx.keys.rows(pages, k0, k1)
         return _block_step(state, q_t, keys, keep, H, ctx.a, ctx.Lv, ctx.stat, ctx.exact, dest)
 
-    parts = _split(lo, hi, ctx.num_partitions or pick_num_partitions(hi - lo))
-    _run_parts(parts, blocks_of, step, ctx.rows(row0, row0 + tok, flat=True))
+    nparts = ctx.num_partitions or pick_num_partitions(hi - lo)
+    dest = ctx.rows(row0, row0 + tok, flat=True)
+    if nparts == 1 and q_pos is None:  # the common decode step, without the general machinery
+        blocks = _blocks(lo, hi, block, ctx.keys.ps)
+        state = None
+        for k0, k1 in blocks:
+            keys = ctx.keys.rows(pages, k0, k1)
+            state = _block_step(state, q_t, keys, None, H, ctx.a, ctx.Lv, ctx.stat, ctx.exact,
+                                dest if len(blocks) == 1 else None)
+        _store(state, dest)
+        return
+    _run_parts(_split(lo, hi, nparts), blocks_of, step, dest)
 
 
 def _dense(ctx: _Ctx) -> None:
