@@ -145,6 +145,15 @@ def test_write_cache_empty_batch():
     assert torch.equal(case.batch.blocks, before)
 
 
+def test_empty_batch_decode_and_fused():
+    case = make_case([5, 0], [0, 0])
+    q_abs = torch.randn(0, case.config.num_heads, 80)
+    out, lse = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, scale=case.scale, kv_lora_rank=64,
+                                        return_lse=True, backend="torch")
+    assert out.shape == (0, case.config.num_heads, 64) and lse.shape == (0, case.config.num_heads)
+    assert openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, backend="torch").shape[0] == 0
+
+
 # Dense decode -------------------------------------------------------------------------
 @pytest.mark.parametrize("mask,extra", MASKS, ids=[m for m, _ in MASKS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
