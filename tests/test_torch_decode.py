@@ -17,10 +17,10 @@ import openmla
 from openmla import CacheBatch, MaskVariant
 from openmla import reference as ref
 
+from cases import TOL, Case, make_case, rel_err, small_config
+
 # The package re-exports the function ``decode``; the module itself holds the tunables.
 tdec = importlib.import_module("openmla.backends.torch_cpu.decode")
-
-from cases import Case, make_case, rel_err, small_config, TOL
 
 MASKS = [
     ("causal", {}),

@@ -116,12 +116,12 @@ def unabsorb(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _State:
     """Softmax of one group of query rows, base 2: exponentials are taken against the offset
-    ``-nm`` (``nm`` = +inf while no key was seen), ``l`` is their sum and ``acc`` the unnormalised
+    ``-nm`` (``nm`` = +inf while no key was seen), ``den`` is their sum and ``acc`` the unnormalised
     output. Leading dims ``...`` are ``()`` (dense: one sequence) or ``(G,)`` (sparse: G tokens).
     The same triple, in the call's batched buffers, is what every chunk finally leaves behind."""
 
     nm: torch.Tensor  # [..., M]
-    l: torch.Tensor  # [..., M]
+    den: torch.Tensor  # [..., M]
     acc: torch.Tensor  # [..., M, L]
 
 
@@ -154,7 +154,7 @@ def _neg_offset(
 
 def _exponentiate(
     s_t: torch.Tensor, nm: torch.Tensor, a: float, keep: torch.Tensor | None, heads: int, stat: torch.dtype,
-    l_out: torch.Tensor | None,
+    den_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query-major ``p = 2^(a*s - offset)`` ``[..., M, n]`` (scratch, matmul dtype) and its row
     sums (``stat``). ``a*s - offset`` is always formed in float32.
@@ -174,9 +174,9 @@ def _exponentiate(
         p.view(*shape[:-2], -1, heads, shape[-1]).masked_fill_(~keep.unsqueeze(-2), -math.inf)
     p.exp2_()
     if direct:
-        return p, torch.sum(p, -1, dtype=stat, out=l_out)
-    l = torch.sum(p, -1, out=l_out)
-    return _workspace("probs_mm", shape, s_t.dtype, s_t.device).copy_(p), l
+        return p, torch.sum(p, -1, dtype=stat, out=den_out)
+    den = torch.sum(p, -1, out=den_out)
+    return _workspace("probs_mm", shape, s_t.dtype, s_t.device).copy_(p), den
 
 
 def _block_step(
@@ -205,17 +205,17 @@ def _block_step(
     prev = None if state is None else state.nm
     direct = dest is not None and state is None
     nm = _neg_offset(s_t, a, prev, exact or keep is not None, stat, dest.nm if direct else None)
-    p, l_blk = _exponentiate(s_t, nm, a, keep, heads, stat, dest.l if direct else None)
+    p, den_blk = _exponentiate(s_t, nm, a, keep, heads, stat, dest.den if direct else None)
     v = k[..., :L]
     pv_out = dest.acc if direct else None
     pv = torch.mm(p, v, out=pv_out) if v.dim() == 2 else torch.bmm(p, v, out=pv_out)  # [..., M, L]
     if state is None:
-        return _State(nm, l_blk, pv)
+        return _State(nm, den_blk, pv)
     used = nm if keep is None else torch.where(nm == math.inf, 0.0, nm)
     alpha = torch.exp2(used - state.nm)  # 0 where nothing was seen before
     acc = state.acc if state.acc.dtype == stat else state.acc.to(stat)
     acc.mul_(alpha.unsqueeze(-1)).add_(pv)
-    return _State(nm, state.l.mul_(alpha).add_(l_blk), acc)
+    return _State(nm, state.den.mul_(alpha).add_(den_blk), acc)
 
 
 def _normalise(state: _State | None, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -225,20 +225,20 @@ def _normalise(state: _State | None, out: torch.Tensor, lse: torch.Tensor) -> No
         out.zero_()
         lse.fill_(-math.inf)
         return
-    l = torch.where(state.l > 0, state.l, 1.0)  # unseen rows: acc = 0 and nm = +inf already
-    torch.div(state.acc, l.unsqueeze(-1), out=out)
-    torch.sub(torch.log(l), state.nm, alpha=LN2, out=lse)
+    den = torch.where(state.den > 0, state.den, 1.0)  # unseen rows: acc = 0 and nm = +inf already
+    torch.div(state.acc, den.unsqueeze(-1), out=out)
+    torch.sub(torch.log(den), state.nm, alpha=LN2, out=lse)
 
 
 def _store(state: _State | None, dest: _State) -> None:
     """Leave a chunk's final softmax state in the batched buffers ``dest``."""
     if state is None:
         dest.acc.zero_()
-        dest.l.zero_()
+        dest.den.zero_()
         dest.nm.fill_(math.inf)
     elif state.acc is not dest.acc:
         dest.acc.copy_(state.acc)
-        dest.l.copy_(state.l)
+        dest.den.copy_(state.den)
         dest.nm.copy_(state.nm)
 
 
@@ -273,7 +273,7 @@ def _run_parts(
         state = None
         for blk in blocks_of(*part):
             state = step(state, blk, None)
-        o, lse = torch.empty(dest.acc.shape, dtype=dest.l.dtype, device=dest.l.device), torch.empty_like(dest.l)
+        o, lse = torch.empty(dest.acc.shape, dtype=dest.den.dtype, device=dest.den.device), torch.empty_like(dest.den)
         _normalise(state, o, lse)
         results.append((o, lse))
     o, lse = _merge(results)
@@ -372,18 +372,18 @@ class _PagedKeys:
 @dataclass
 class _Ctx:
     """Everything a decode call shares. Every chunk leaves its unnormalised softmax state in
-    the batched buffers ``acc``/``l``/``nm``; ``decode`` normalises all rows at once."""
+    the batched buffers ``acc``/``den``/``nm``; ``decode`` normalises all rows at once."""
 
     q: torch.Tensor  # [T, H, D] in the matmul dtype, sign folded so that the scale is >= 0
     keys: _PagedKeys
     batch: CacheBatch
     a: float  # scale * log2(e), >= 0
-    Lv: int  # value columns, L (kv_lora_rank)
+    L: int  # value columns (kv_lora_rank)
     mask: MaskVariant
     num_partitions: int | None
     stat: torch.dtype
-    acc: torch.Tensor  # [T, H, Lv] matmul dtype
-    l: torch.Tensor  # [T, H] stat
+    acc: torch.Tensor  # [T, H, L] matmul dtype
+    den: torch.Tensor  # [T, H] stat
     nm: torch.Tensor  # [T, H] stat
     exact: bool = False  # exact block maxima (the rerun after a sampled offset failed)
 
@@ -392,14 +392,14 @@ class _Ctx:
         self.H = H
         # Flat (token, head)-row views, made once: a chunk's rows are then one slice each.
         self.q_t = self.q.view(T * H, D).t()
-        self.flat = _State(self.nm.view(-1), self.l.view(-1), self.acc.view(T * H, self.Lv))
+        self.flat = _State(self.nm.view(-1), self.den.view(-1), self.acc.view(T * H, self.L))
 
     def rows(self, r0: int, r1: int, flat: bool) -> _State:
         """Batched-buffer views of query tokens ``r0:r1`` (``flat``: tokens and heads as one dim)."""
         if flat:
             f, H = self.flat, self.H
-            return _State(f.nm[r0 * H : r1 * H], f.l[r0 * H : r1 * H], f.acc[r0 * H : r1 * H])
-        return _State(self.nm[r0:r1], self.l[r0:r1], self.acc[r0:r1])
+            return _State(f.nm[r0 * H : r1 * H], f.den[r0 * H : r1 * H], f.acc[r0 * H : r1 * H])
+        return _State(self.nm[r0:r1], self.den[r0:r1], self.acc[r0:r1])
 
 
 # Dense: every visible key of the sequence ---------------------------------------------------
@@ -425,7 +425,7 @@ def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, row0: int, tok: int, p_lo: int,
         k0, k1, masked = blk
         keep = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=q_t.device)[None, :]) if masked else None
         keys = ctx.keys.rows(pages, k0, k1)
-        return _block_step(state, q_t, keys, keep, H, ctx.a, ctx.Lv, ctx.stat, ctx.exact, dest)
+        return _block_step(state, q_t, keys, keep, H, ctx.a, ctx.L, ctx.stat, ctx.exact, dest)
 
     nparts = ctx.num_partitions or pick_num_partitions(hi - lo)
     dest = ctx.rows(row0, row0 + tok, flat=True)
@@ -434,7 +434,7 @@ def _dense_chunk(ctx: _Ctx, pages: torch.Tensor, row0: int, tok: int, p_lo: int,
         state = None
         for k0, k1 in blocks:
             keys = ctx.keys.rows(pages, k0, k1)
-            state = _block_step(state, q_t, keys, None, H, ctx.a, ctx.Lv, ctx.stat, ctx.exact,
+            state = _block_step(state, q_t, keys, None, H, ctx.a, ctx.L, ctx.stat, ctx.exact,
                                 dest if len(blocks) == 1 else None)
         _store(state, dest)
         return
@@ -494,7 +494,7 @@ def _sparse(ctx: _Ctx, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor 
             blk_keep = keep[:, None, k0:k1]
             blk_keep = None if bool(blk_keep.all()) else blk_keep  # all visible: fast path
             keys = ctx.keys.gather(rows[:, k0:k1])
-            return _block_step(state, q_t, keys, blk_keep, H, ctx.a, ctx.Lv, ctx.stat, ctx.exact, dest)
+            return _block_step(state, q_t, keys, blk_keep, H, ctx.a, ctx.L, ctx.stat, ctx.exact, dest)
 
         _run_parts(parts, lambda a, e: _blocks(a, e, block, 1), step, ctx.rows(t0, t1, flat=False))
 
@@ -549,23 +549,22 @@ def decode(
     q = q_abs.to(mm_dtype)
     if scale < 0:  # negating q is exact; the softmax then only sees a scale >= 0
         q, scale = -q, -scale
-    Lv = kv_lora_rank
     ctx = _Ctx(
         q=q.contiguous(), keys=_PagedKeys(batch, layer_idx, mm_dtype), batch=batch, a=float(scale) * LOG2E,
-        Lv=Lv, mask=mask, num_partitions=num_partitions, stat=stat,
-        acc=_alloc((T, H, Lv), mm_dtype, device, "acc"), l=_alloc((T, H), stat, device, "l"),
+        L=kv_lora_rank, mask=mask, num_partitions=num_partitions, stat=stat,
+        acc=_alloc((T, H, kv_lora_rank), mm_dtype, device, "acc"), den=_alloc((T, H), stat, device, "den"),
         nm=_alloc((T, H), stat, device, "nm"),
     )
     if T:
         _run(ctx, sparse_indices, topk_lengths, physical_indices)
         # One sum each shows an inf or NaN anywhere (|acc| <= l * max|v|, far from overflow);
         # isfinite().all() costs 30x more on bf16.
-        if not (math.isfinite(float(ctx.acc.sum())) and math.isfinite(float(ctx.l.sum()))):
+        if not (math.isfinite(float(ctx.acc.sum())) and math.isfinite(float(ctx.den.sum()))):
             ctx.exact = True  # a sampled block offset was too low somewhere (or the inputs hold inf/NaN)
             _run(ctx, sparse_indices, topk_lengths, physical_indices)
     out = _alloc((T, H, kv_lora_rank), q_abs.dtype if attn_sink is None else stat, device)
     lse = _alloc((T, H), stat, device)
-    _normalise(_State(ctx.nm, ctx.l, ctx.acc), out, lse)
+    _normalise(_State(ctx.nm, ctx.den, ctx.acc), out, lse)
     if attn_sink is not None and T:
         _apply_sink(out, lse, attn_sink, batch)
     return out.to(q_abs.dtype), lse.float()
