@@ -125,6 +125,23 @@ class _State:
     acc: torch.Tensor  # [..., M, L]
 
 
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Exact ``x.amax(dim)`` through the integer view of the float bits (about 2x faster on bf16).
+
+    Sign-magnitude floats order like their bit patterns read as signed integers when positive
+    and in reverse when negative, so the integer max is the float max whenever that is >= +0,
+    and for an all-negative row the integer min is.
+    """
+    if not (x.dtype.is_floating_point and x.element_size() in _INT_OF):
+        return x.amax(dim)
+    xi = x.view(_INT_OF[x.element_size()])  # same-size reinterpretation: any strides
+    hi, lo = xi.amax(dim), xi.amin(dim)
+    return torch.where(hi >= 0, hi, lo).view(x.dtype)
+
+
 def _neg_offset(
     s_t: torch.Tensor, a: float, prev: torch.Tensor | None, exact: bool, stat: torch.dtype, out: torch.Tensor | None
 ) -> torch.Tensor:
@@ -140,7 +157,7 @@ def _neg_offset(
     """
     n = s_t.shape[-2]
     rows = s_t if exact or n <= 2 * ESTIMATE_ROWS else s_t[..., :: n // ESTIMATE_ROWS, :]
-    m = rows.amax(-2)
+    m = _max(rows, -2)
     if a == 0.0:  # 0 * -inf would be NaN
         nm = torch.where(m == -math.inf, math.inf, 0.0).to(stat)
     elif out is not None and prev is None:
