@@ -6,7 +6,8 @@ On B sequences of S cached tokens with one new token each (page size P), for eac
 - ``flare_mla_decode`` alone (attention FLOPs ``2*B*H*S*(576+512)``);
 - the fused ``mla_prefill_decode_graph`` (cache write, absorption, attention, output projection;
   FLOPs add the two absorption products ``2*B*H*Dn*L*2``);
-- a plain ``bmm -> float32 softmax -> bmm`` decode on contiguous tensors (the baseline to beat).
+- a plain ``bmm -> float32 softmax -> bmm`` decode on contiguous tensors (the baseline to beat),
+  and the same with K^T and V pre-laid out contiguously (a reference point; see ``baseline``).
 
 Page layouts: ``shuffled`` hands out every page at random (worst case: every key block is a
 gather), ``contiguous`` allocates each sequence's cached pages in order, as a fresh prefill does.
@@ -57,15 +58,19 @@ def build_cache(B: int, S: int, page_size: int, layout: str, seed: int = 0):
     return cache, cache.prepare(ids, [1] * B)
 
 
-def baseline(B: int, H: int, S: int, scale: float) -> Callable[[], torch.Tensor]:
-    """Plain decode on contiguous tensors: bmm, float32 softmax, bmm."""
+def baseline(B: int, H: int, S: int, scale: float, pre_laid: bool = False) -> Callable[[], torch.Tensor]:
+    """Plain decode on contiguous tensors: bmm, float32 softmax, bmm. Keys are ``[B, S, 576]``
+    as a cache stores them (K^T a transposed view, V a slice); ``pre_laid`` instead hands the
+    GEMMs a contiguous K^T ``[B, 576, S]`` and V ``[B, S, 512]`` made outside the timing, a
+    layout a paged cache cannot offer without a copy (reference point only)."""
     q = torch.randn(B, H, 576).bfloat16()
     k = torch.randn(B, S, 576).bfloat16()
+    k_t, v = (k.transpose(1, 2).contiguous(), k[..., :512].contiguous()) if pre_laid else (k.transpose(1, 2), k[..., :512])
 
     def run() -> torch.Tensor:
-        s = torch.bmm(q, k.transpose(1, 2))
+        s = torch.bmm(q, k_t)
         p = torch.softmax(s.float() * scale, dim=-1).bfloat16()
-        return torch.bmm(p, k[..., :512])
+        return torch.bmm(p, v)
 
     return run
 
@@ -91,6 +96,7 @@ def workloads(H: int, batch, S: int) -> dict[str, tuple[Callable[[], object], in
             q, kv, batch.input_row_offsets, freqs, gamma, batch, 0, w_k, w_uk, w_uv, scale=scale, backend="torch"),
             attn + 2 * B * H * Dn * L * 2),
         "baseline_bmm_softmax_bmm": (baseline(B, H, S, scale), attn),
+        "baseline_pre_laid_kT_v": (baseline(B, H, S, scale, pre_laid=True), attn),
     }
 
 
