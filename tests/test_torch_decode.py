@@ -361,3 +361,20 @@ def test_absorb_unabsorb():
     assert_close(q_abs, want, 1e-6, "absorb", case.seed)
     lat = torch.randn(3, 6, case.config.kv_lora_rank)
     assert_close(torch_cpu.unabsorb(lat, case.w_uv), torch.einsum("thl,hvl->thv", lat.double(), case.w_uv.double()), 1e-6, "unabsorb", case.seed)
+
+
+def test_inference_mode_and_grad_inputs():
+    """Scratch buffers made under inference_mode must not break later normal calls (and back);
+    inputs that require grad give plain outputs."""
+    case = make_case([30, 5], [1, 2], dtype=torch.bfloat16)
+    q_abs = random_q_abs(case)
+    kw = dict(scale=case.scale, kv_lora_rank=case.config.kv_lora_rank, backend="torch")
+    with torch.inference_mode():
+        first = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, **kw)
+    second = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, **kw)
+    with torch.inference_mode():
+        third = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, **kw)
+    assert torch.equal(first, second) and torch.equal(second, third)
+    grad_q = q_abs.float().requires_grad_()
+    assert_close(openmla.flare_mla_decode(grad_q, case.batch, case.layer_idx, **kw), second, TOL[torch.bfloat16],
+                 "requires_grad input", case.seed)

@@ -74,6 +74,7 @@ def cache_entries(
     return out
 
 
+@torch.no_grad()  # the cache never joins an autograd graph
 def _scatter(batch: CacheBatch, layer_idx: int, rows: torch.Tensor, entries: torch.Tensor) -> None:
     """Store ``entries [T, D]`` at physical ``rows`` of layer ``layer_idx`` (in place)."""
     layer = batch.blocks[layer_idx]

@@ -68,6 +68,8 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     views = getattr(_scratch, "views", None)
     if views is None:
         views, _scratch.views, _scratch.bufs = {}, {}, {}
+    # Buffers made under inference_mode cannot be written outside it: one set per mode.
+    name = (name, torch.is_inference_mode_enabled())
     key = (name, shape, dtype, device)
     view = views.get(key)
     if view is not None:
@@ -540,6 +542,7 @@ def _run(ctx: _Ctx, sparse_indices, topk_lengths, physical_indices: bool) -> Non
         _sparse(ctx, sparse_indices, topk_lengths, physical_indices)
 
 
+@torch.no_grad()
 def decode(
     q_abs: torch.Tensor,
     batch: CacheBatch,
@@ -558,7 +561,8 @@ def decode(
 
     Returns ``out [T, H, L]`` (q_abs's dtype) and ``lse [T, H]`` (float32, natural log, without
     the sink). Query ``i`` of sequence ``b`` sits at ``cache_lengths[b] + i``; the cache already
-    holds this call's tokens. Rows with no visible key give zeros and -inf.
+    holds this call's tokens. Rows with no visible key give zeros and -inf. Inference only: the
+    outputs carry no autograd graph (the kernel writes into reused scratch buffers).
     """
     T, H, _ = q_abs.shape
     device = q_abs.device
