@@ -68,6 +68,8 @@ def run_checks(backend: str, seed: int | None = None, quick: bool = False) -> li
         ("prefill, chunked_causal 8", ragged_prefill, {"mask": "chunked_causal", "chunk_size": 8}),
         ("decode, sparse logical", ragged_decode, {"sparse": False}),
         ("decode, sparse physical", ragged_decode, {"sparse": True}),
+        ("decode, fp8_ds_mla cache", dict(ragged_decode, config=small_config(4, 128, 16, 32, 32), cache_dtype="fp8_ds_mla"), {}),
+        ("prefill, fp8_e4m3 cache", dict(ragged_prefill, config=small_config(4, 128, 16, 32, 32), cache_dtype="fp8_e4m3"), {}),
         ("decode, DeepSeek dims, 16 heads",
          dict(cache_lens=[40, 3], new_lens=[1, 2], page_size=64, config=small_config(16, 512, 64, 128, 128)), {}),
     ]
