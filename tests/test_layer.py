@@ -134,7 +134,7 @@ def test_split_matches_kv_b_proj_layout():
     cfg = tiny_config()
     layer = LatentAttention(cfg, 0, dtype=torch.float32)
     layer.load_hf_state_dict(random_hf_weights(cfg))
-    H, L, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    H, Dn, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     w = layer.kv_b_proj.weight
     for h in range(H):
         rows = w[h * (Dn + Dv): (h + 1) * (Dn + Dv)]

@@ -17,7 +17,7 @@ import openmla
 from openmla import CacheBatch, MaskVariant
 from openmla import reference as ref
 
-from cases import TOL, Case, make_case, rel_err, small_config
+from cases import TOL, Case, assert_close, assert_lse, make_case, small_config
 
 # The package re-exports the function ``decode``; the module itself holds the tunables.
 tdec = importlib.import_module("openmla.backends.torch_cpu.decode")
@@ -45,22 +45,6 @@ def random_q_abs(case: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
     T = case.q.shape[0]
     q = torch.randn(T, cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g) * 0.5
     return q.to(dtype or case.q.dtype)
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, seed: int) -> None:
-    err = rel_err(got, want)
-    assert err <= tol, f"{what}: rel err {err:.3g} > {tol} (seed {seed})"
-
-
-def assert_lse(got: torch.Tensor, want: torch.Tensor, tol: float, seed: int) -> None:
-    """-inf exactly where the reference has -inf; elsewhere close in absolute terms."""
-    got, want = got.double(), want.double()
-    assert not torch.isnan(got).any(), f"lse has NaN (seed {seed})"
-    empty = torch.isinf(want)
-    assert torch.equal(torch.isinf(got), empty), f"lse -inf rows differ (seed {seed})"
-    if (~empty).any():
-        err = float((got[~empty] - want[~empty]).abs().max() / want[~empty].abs().max().clamp_min(1.0))
-        assert err <= tol, f"lse: err {err:.3g} > {tol} (seed {seed})"
 
 
 def decode_both(case: Case, q_abs: torch.Tensor, **kw):

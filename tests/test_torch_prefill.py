@@ -21,7 +21,7 @@ from openmla import MaskVariant, MlaConfigV2
 from openmla import reference as ref
 from openmla.masks import MaskKind
 
-from cases import Case, TOL, make_case, rel_err, small_config
+from cases import TOL, Case, assert_close, assert_lse, make_case, small_config
 
 # The package re-exports the function ``prefill``; the module holds the tunables and helpers.
 tpre = importlib.import_module("openmla.backends.torch_cpu.prefill")
@@ -55,22 +55,6 @@ def prefill_case(cache_lens, new_lens, *, heads=3, dims=None, page_size=16, dtyp
         used[ref.physical_rows(b, s, torch.arange(n))] = True
     b.blocks.view(b.num_layers, -1, b.head_dim)[:, ~used] = math.nan
     return case
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, seed: int) -> None:
-    err = rel_err(got, want)
-    assert err <= tol, f"{what}: rel err {err:.3g} > {tol} (seed {seed})"
-
-
-def assert_lse(got: torch.Tensor, want: torch.Tensor, tol: float, seed: int) -> None:
-    """-inf exactly where the reference has -inf; elsewhere close (absolute, scaled by max(|lse|, 1))."""
-    got, want = got.double(), want.double()
-    assert not torch.isnan(got).any(), f"lse has NaN (seed {seed})"
-    empty = torch.isinf(want)
-    assert torch.equal(torch.isinf(got), empty), f"lse -inf rows differ (seed {seed})"
-    if (~empty).any():
-        err = float((got[~empty] - want[~empty]).abs().max() / want[~empty].abs().max().clamp_min(1.0))
-        assert err <= tol, f"lse: err {err:.3g} > {tol} (seed {seed})"
 
 
 def mask_kw(name: str, extra: dict) -> dict:

@@ -1,11 +1,9 @@
 """The triton backend against the float64 oracle (``openmla.reference``).
 
 Without a GPU the kernels run on CPU tensors through Triton's interpreter
-(``TRITON_INTERPRET=1``, set below before triton is first imported); with CUDA they run
-compiled on the GPU. Triton builds its own library functions (``tl.sum`` ...) when it is
-first imported, so if another module imported it earlier (transformers does), the
-interpreter cannot work in this process: then every test here is skipped and
-``test_in_fresh_interpreter_process`` runs this file in a subprocess instead. Shapes are tiny because the interpreter is slow. Every case draws a
+(``TRITON_INTERPRET=1``, which ``tests/conftest.py`` sets before triton is first imported);
+with CUDA they run compiled on the GPU. Shapes are tiny because the interpreter is slow.
+Every case draws a
 fresh seed (printed in the failure message); every buffer the backend allocates starts as
 NaN (``poison``), so an element a kernel forgets to write fails the comparison.
 Heavier cases carry ``heavy`` in their name (deselect with ``-k "not heavy"``).
@@ -24,9 +22,6 @@ import torch
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
-DELEGATE = not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton (and triton.jit) build functions
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'openmla[triton]')")
 
@@ -37,9 +32,10 @@ from openmla.backends.triton import _common, api  # noqa: E402
 from openmla.backends.triton.decode import decode_into, default_num_splits  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
 
+from triton_support import poison  # noqa: E402,F401  (autouse: backend buffers start as NaN)
 from cases import TOL, Case, make_case, rel_err, small_config  # noqa: E402
 
-if not CUDA and not _common.INTERPRET:
+if not CUDA and not _common.INTERPRET:  # tests/conftest.py sets it before anything imports triton
     pytest.skip("the triton backend was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -50,30 +46,6 @@ MASKS = [
     ("sliding_window_noncausal", {"window_size": 5}),
     ("chunked_causal", {"chunk_size": 8}),
 ]
-
-
-@pytest.fixture(autouse=True)
-def delegated(request):
-    """With triton imported too early for the interpreter, only the subprocess runner runs."""
-    if DELEGATE and request.node.originalname != "test_in_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: runs in test_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not DELEGATE, reason="this process runs the interpreter tests itself")
-def test_in_fresh_interpreter_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs"],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-
-
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Backend buffers start as NaN: an unwritten output element can never pass."""
-    def nan_empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_common, "empty", nan_empty)
 
 
 # Helpers ---------------------------------------------------------------------------

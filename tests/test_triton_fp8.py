@@ -16,19 +16,12 @@ every buffer the backend allocates starts as NaN, and NaN never passes ``rel_err
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
-DELEGATE = not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton (and triton.jit) build functions
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'openmla[triton]')")
 
@@ -39,38 +32,15 @@ from openmla.backends.triton.decode import decode_into  # noqa: E402
 from openmla.fp8 import FP8, ds_mla_views  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
 
+from triton_support import poison  # noqa: E402,F401  (autouse: backend buffers start as NaN)
 from cases import TOL, Case, make_case, rel_err, small_config  # noqa: E402
 
-if not CUDA and not _common.INTERPRET:
+if not CUDA and not _common.INTERPRET:  # tests/conftest.py sets it before anything imports triton
     pytest.skip("the triton backend was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 F32, BF16 = torch.float32, torch.bfloat16
 E4M3, DS_MLA = "fp8_e4m3", "fp8_ds_mla"
 FORMATS = [E4M3, DS_MLA]
-
-
-@pytest.fixture(autouse=True)
-def delegated(request):
-    """With triton imported too early for the interpreter, only the subprocess runner runs."""
-    if DELEGATE and request.node.originalname != "test_in_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: runs in test_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(not DELEGATE, reason="this process runs the interpreter tests itself")
-def test_in_fresh_interpreter_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs"],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-
-
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Backend buffers start as NaN: an unwritten output element can never pass."""
-    def nan_empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_common, "empty", nan_empty)
 
 
 # Helpers ---------------------------------------------------------------------------

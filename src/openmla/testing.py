@@ -128,3 +128,19 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, seed: int) -> None:
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: rel err {err:.3g} > {tol} (seed {seed})"
+
+
+def assert_lse(got: torch.Tensor, want: torch.Tensor, tol: float, seed: int) -> None:
+    """-inf exactly where the reference has -inf; elsewhere close (absolute, scaled by max(|lse|, 1))."""
+    got, want = got.double(), want.double()
+    assert not torch.isnan(got).any(), f"lse has NaN (seed {seed})"
+    empty = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), empty), f"lse -inf rows differ (seed {seed})"
+    if (~empty).any():
+        err = float((got[~empty] - want[~empty]).abs().max() / want[~empty].abs().max().clamp_min(1.0))
+        assert err <= tol, f"lse: err {err:.3g} > {tol} (seed {seed})"
