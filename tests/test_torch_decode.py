@@ -362,3 +362,25 @@ def test_inference_mode_and_grad_inputs():
     grad_q = q_abs.float().requires_grad_()
     assert_close(openmla.flare_mla_decode(grad_q, case.batch, case.layer_idx, **kw), second, TOL[torch.bfloat16],
                  "requires_grad input", case.seed)
+
+
+def test_sparse_dropped_slots_never_read_stale_rows():
+    """-1 slots and slots past topk_lengths must not touch any cache row: NaN in row 0 stays out."""
+    import openmla
+    from openmla import reference as ref
+
+    case = make_case([12, 5], [1, 1], config=small_config(num_heads=3), page_size=4, dtype=torch.float32)
+    rows = torch.stack([ref.physical_rows(case.batch, b, torch.tensor([1, 3, 2, 0])) for b in (0, 1)])
+    rows = torch.where(rows == 0, torch.tensor(-1), rows).int()  # never list physical row 0 itself
+    rows[0, 2] = -1
+    topk = torch.tensor([4, 2], dtype=torch.int32)
+    a, b = case.clone_cache(), case.clone_cache()
+    for c in (a, b):
+        c.batch.blocks[c.layer_idx].view(-1, c.batch.head_dim)[0] = float("nan")
+    q = torch.randn(2, 3, case.batch.head_dim)
+    want = openmla.flare_mla_decode(q, a.batch, a.layer_idx, scale=0.1, kv_lora_rank=64, sparse_indices=rows,
+                                    topk_lengths=topk, backend="reference")
+    got = openmla.flare_mla_decode(q, b.batch, b.layer_idx, scale=0.1, kv_lora_rank=64, sparse_indices=rows,
+                                   topk_lengths=topk, backend="torch")
+    assert torch.isfinite(want).all()
+    assert_close(got, want, 1e-5, "sparse with stale NaN row", case.seed)

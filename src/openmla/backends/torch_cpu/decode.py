@@ -514,6 +514,8 @@ def _sparse(ctx: _Ctx, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor 
             blk_keep = keep[:, None, k0:k1]
             blk_keep = None if bool(blk_keep.all()) else blk_keep  # all visible: fast path
             keys = ctx.keys.gather(rows[:, k0:k1])
+            if blk_keep is not None:  # dropped slots point at row 0: zero them so stale NaN/Inf there cannot leak (0*inf)
+                keys = keys.masked_fill(~keep[:, k0:k1, None], 0)
             return _block_step(state, q_t, keys, blk_keep, H, ctx.a, ctx.L, ctx.stat, ctx.exact, dest)
 
         _run_parts(parts, lambda a, e: _blocks(a, e, block, 1), step, ctx.rows(t0, t1, flat=False))
