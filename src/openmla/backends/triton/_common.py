@@ -271,6 +271,18 @@ def quantize_e4m3(x, scale):
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key tile of the online softmax on base-2 logits ``s [M, N]``: returns the tile's
+    probabilities ``p`` (relative to the new running max), the factor ``alpha`` that rescales the
+    old accumulator, the new sum ``l_i`` and the new max ``m_i``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
+
+
+@triton.jit
 def natural_lse(m2, denom):
     """Natural-log LSE from a base-2 running max ``m2`` and its sum ``denom`` (``-inf`` when 0)."""
     has_key = denom > 0

@@ -43,7 +43,7 @@ import triton.language as tl
 from ...fp8 import DS_MLA_GROUP
 from ...masks import MaskVariant
 from . import _common
-from ._common import find_sequence, key_range, natural_lse, next_pow2, physical_row, search_steps
+from ._common import find_sequence, key_range, natural_lse, online_softmax_step, next_pow2, physical_row, search_steps
 from .merge import merge_parts
 
 SPARSE_NONE, SPARSE_PHYSICAL, SPARSE_LOGICAL = 0, 1, 2
@@ -149,11 +149,7 @@ def _decode_split_kernel(
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # base-2 logits
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i, m_new = online_softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), k_lat, input_precision=PRECISION)
         m_i = m_new
 
@@ -222,11 +218,7 @@ def _decode_split_ds_mla_kernel(
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))  # base-2 logits
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i, m_new = online_softmax_step(s, m_i, l_i)
         p_g = (p[None, :, :] * k_scale[:, None, :]).to(DOT_T)
         acc = acc * alpha[None, :, None] + tl.dot(p_g, k_lat, input_precision=PRECISION)
         m_i = m_new

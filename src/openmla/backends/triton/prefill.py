@@ -35,7 +35,7 @@ import triton.language as tl
 from ...cache import CacheBatch
 from ...masks import MaskVariant
 from . import _common
-from ._common import cast_to, key_range, natural_lse, next_pow2, physical_row
+from ._common import cast_to, key_range, natural_lse, next_pow2, online_softmax_step, physical_row
 from .merge import merge_parts
 
 
@@ -104,11 +104,7 @@ def _flare_prefill_kernel(
         visible = k_ok[None, :] & (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < hi[:, None])
         s = tl.where(visible, s * sm_scale_log2, float("-inf"))  # base-2 logits
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i, m_new = online_softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v, input_precision=PRECISION)
         m_i = m_new
 
