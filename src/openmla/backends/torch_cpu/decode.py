@@ -389,6 +389,25 @@ class _PagedKeys:
         return self._as_compute(_workspace("keys", (*rows.shape, self.D), self.layer.dtype, self.layer.device))
 
 
+class _DequantKeys(_PagedKeys):
+    """Key rows of an fp8 cache (``fp8_e4m3``, ``fp8_ds_mla``), dequantised block by block as they
+    are gathered: extra memory stays one key block, whatever the context length."""
+
+    def __init__(self, batch: CacheBatch, layer_idx: int, dtype: torch.dtype) -> None:  # noqa: D107
+        self.batch, self.layer_idx = batch, layer_idx
+        self.ps, self.D, self.dtype = batch.page_size, batch.head_dim, dtype
+        self.table = batch.block_table.to(batch.blocks.device, torch.int64)
+
+    def rows(self, pages: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+        ps = self.ps
+        j0, j1 = k0 // ps, (k1 - 1) // ps
+        keys = self.batch.read_pages(self.layer_idx, pages[j0 : j1 + 1], self.dtype).view(-1, self.D)
+        return keys[k0 - j0 * ps : k1 - j0 * ps]
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.batch.read_rows(self.layer_idx, rows.reshape(-1), self.dtype).view(*rows.shape, self.D)
+
+
 @dataclass
 class _Ctx:
     """Everything a decode call shares. Every chunk leaves its unnormalised softmax state in
@@ -568,13 +587,13 @@ def decode(
     """
     T, H, _ = q_abs.shape
     device = q_abs.device
-    mm_dtype = _matmul_dtype(q_abs.dtype, batch.blocks.dtype)
+    mm_dtype = _matmul_dtype(q_abs.dtype, batch.compute_dtype)
     stat = torch.float64 if mm_dtype == torch.float64 else torch.float32
     q = q_abs.to(mm_dtype)
     if scale < 0:  # negating q is exact; the softmax then only sees a scale >= 0
         q, scale = -q, -scale
     ctx = _Ctx(
-        q=q.contiguous(), keys=_PagedKeys(batch, layer_idx, mm_dtype), batch=batch, a=float(scale) * LOG2E,
+        q=q.contiguous(), keys=(_PagedKeys if batch.is_native else _DequantKeys)(batch, layer_idx, mm_dtype), batch=batch, a=float(scale) * LOG2E,
         L=kv_lora_rank, mask=mask, num_partitions=num_partitions, stat=stat,
         acc=_alloc((T, H, kv_lora_rank), mm_dtype, device, "acc"), den=_alloc((T, H), stat, device, "den"),
         nm=_alloc((T, H), stat, device, "nm"),

@@ -401,8 +401,12 @@ def cache_rows_of(batch: CacheBatch, b: int, start: int, stop: int) -> torch.Ten
 
 
 def gather_entries(batch: CacheBatch, layer_idx: int, spans: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Cache entries ``[n, L+R]`` of ``(sequence, start, stop)`` position spans, in order."""
+    """Cache entries ``[n, L+R]`` of ``(sequence, start, stop)`` position spans, in order (an fp8
+    cache's entries dequantised to float32: only this chunk's rows, so memory stays bounded)."""
     rows = [cache_rows_of(batch, b, lo, hi) for b, lo, hi in spans]
+    if not batch.is_native:
+        index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        return batch.read_rows(layer_idx, index, torch.float32)
     flat = batch.blocks[layer_idx].reshape(-1, batch.head_dim)
     if not rows:
         return flat[:0]
