@@ -17,18 +17,12 @@ import openmla
 from openmla import CacheBatch, MaskVariant
 from openmla import reference as ref
 
-from cases import TOL, Case, assert_close, assert_lse, make_case, small_config
+from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
 
 # The package re-exports the function ``decode``; the module itself holds the tunables.
 tdec = importlib.import_module("openmla.backends.torch_cpu.decode")
 
-MASKS = [
-    ("causal", {}),
-    ("null", {}),
-    ("sliding_window_causal", {"window_size": 5}),
-    ("sliding_window_noncausal", {"window_size": 9}),
-    ("chunked_causal", {"chunk_size": 7}),
-]
+MASKS = MASK_CASES
 DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
 
 

@@ -21,18 +21,12 @@ from openmla import MaskVariant, MlaConfigV2
 from openmla import reference as ref
 from openmla.masks import MaskKind
 
-from cases import TOL, Case, assert_close, assert_lse, make_case, small_config
+from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
 
 # The package re-exports the function ``prefill``; the module holds the tunables and helpers.
 tpre = importlib.import_module("openmla.backends.torch_cpu.prefill")
 
-MASKS = [
-    ("causal", {}),
-    ("null", {}),
-    ("sliding_window_causal", {"window_size": 5}),
-    ("sliding_window_noncausal", {"window_size": 9}),
-    ("chunked_causal", {"chunk_size": 7}),
-]
+MASKS = MASK_CASES
 MASK_IDS = [m for m, _ in MASKS]
 DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
 

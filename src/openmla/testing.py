@@ -127,6 +127,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)) if want.numel() else 0.0
 
 
+# Every mask variant with parameters that cut through small ragged cases: (mask, kwargs).
+MASK_CASES = [
+    ("causal", {}),
+    ("null", {}),
+    ("sliding_window_causal", {"window_size": 5}),
+    ("sliding_window_noncausal", {"window_size": 9}),
+    ("chunked_causal", {"chunk_size": 7}),
+]
+
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
