@@ -163,10 +163,10 @@ def test_default_buffer_bounds_memory(monkeypatch):
     case = prefill_case([12, 0], [20, 9])
     want, _ = torch_prefill(case)
     chunks = []
-    real_plan = openmla.ops.mla_prefill_plan
+    real_chunks = openmla.MLAPlan.chunks
     monkeypatch.setattr(tpre, "KV_BUFFER_BYTES", 1)
     monkeypatch.setattr(tpre, "MIN_BUFFER_ROWS", 8)
-    monkeypatch.setattr(openmla.ops, "mla_prefill_plan", lambda *a: chunks.append(a[2]) or real_plan(*a))
+    monkeypatch.setattr(openmla.MLAPlan, "chunks", lambda self, size: chunks.append(size) or real_chunks(self, size))
     got, _ = torch_prefill(case)
     assert chunks == [8]
     assert_close(got, want, 1e-5, "default chunks", case.seed)

@@ -27,8 +27,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'open
 
 import openmla  # noqa: E402
 from openmla import CacheBatch, MlaConfigV2, reference as ref  # noqa: E402
+from openmla import combine  # noqa: E402
 from openmla.backends import reference_backend  # noqa: E402
-from openmla.backends.triton import _common, api  # noqa: E402
+from openmla.backends.triton import _common  # noqa: E402
 from openmla.backends.triton.decode import decode_into, default_num_splits  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
 
@@ -114,8 +115,9 @@ def test_write_cache(page_size, interleaved, dtype, heads):
     dev = on_device(case)
     q_rot = openmla.mla_write_cache(dev.q, dev.kv, dev.freqs_cis, dev.gamma, dev.batch, dev.layer_idx,
                                     rope_interleaved=interleaved, backend="triton")
-    want_q = reference_backend.write_cache(case.q, case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx,
-                                           1e-6, interleaved)
+    ref_plan = openmla.plan(case.batch, scale=case.scale, backend="reference")
+    want_q = reference_backend.write_cache(ref_plan, case.layer_idx, case.q, case.kv, case.freqs_cis, case.gamma, 1e-6,
+                                           interleaved)
     check(q_rot, want_q, dtype, case, "q_rot")
     check(dev.batch.blocks, case.batch.blocks, dtype, case, "cache")
 
@@ -335,20 +337,21 @@ def test_decode_into_replay_after_metadata_update():
         check_lse(lse, want_lse, F32, case, f"replay (shrink {shrink})")
 
 
-def test_backend_decode_step_replay():
-    """The whole decode step at backend level (write, absorb, decode with fixed splits,
-    unabsorb) replayed with new q/kv and lengths: what an engine captures per layer."""
+def test_plan_decode_step_replay():
+    """A whole decode step from a plan with fixed capacities (write, absorb, decode with fixed
+    splits, unabsorb) replayed after ``plan.refill`` with new q/kv and lengths: what an engine
+    captures per layer in a CUDA graph."""
     case = make_case([40, 9], [2, 1], config=small_config(num_heads=3), page_size=16)
     dev = on_device(case)
     b = dev.batch
+    step_plan = openmla.plan(b, scale=case.scale, num_partitions=2, max_pages=b.block_table.shape[1] + 1, backend="triton")
     res = {}
 
     def step():
-        q_rot = api.write_cache(dev.q, dev.kv, dev.freqs_cis, dev.gamma, b, dev.layer_idx, 1e-6, True)
-        out_lat, res["lse"] = api.decode(api.absorb(q_rot, dev.w_uk), b, dev.layer_idx, scale=case.scale,
-                                         kv_lora_rank=case.config.kv_lora_rank, mask=MaskVariant(), sparse_indices=None,
-                                         topk_lengths=None, physical_indices=True, attn_sink=None, num_partitions=2)
-        res["out"] = api.unabsorb(out_lat, dev.w_uv)
+        q_rot = step_plan.write_cache(dev.q, dev.kv, dev.freqs_cis, dev.gamma, dev.layer_idx)
+        out_lat, res["lse"] = step_plan.decode(combine.absorb(q_rot, dev.w_uk), dev.layer_idx,
+                                               kv_lora_rank=case.config.kv_lora_rank, return_lse=True)
+        res["out"] = combine.unabsorb(out_lat, dev.w_uv)
 
     replay = replayable(step)
     for shrink in (0, 5):
@@ -358,7 +361,7 @@ def test_backend_decode_step_replay():
         view = CacheBatch(case.batch.blocks.clone(), case.batch.block_table, lengths, case.batch.input_row_offsets,
                           case.batch.page_size)
         b.blocks.copy_(view.blocks.to(DEV))  # both caches start equal
-        b.cache_lengths.copy_(lengths.to(DEV))
+        step_plan.refill(dataclasses.replace(b, cache_lengths=lengths.to(DEV)))
         dev.q.copy_(q.to(DEV))
         dev.kv.copy_(kv.to(DEV))
         replay()

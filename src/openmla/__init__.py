@@ -19,7 +19,9 @@ from .ops import (
     mla_prefill_v2_ragged,
     mla_write_cache,
 )
+from .planning import MLAPlan, plan
 from .rope import apply_rope, rope_freqs_cis
+from .spec import AttentionSpec, SparseSpec
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,5 @@ __all__ = [
     "DECODE_MAX_Q_LEN", "MlaConfigV2", "flare_mla_decode", "flare_mla_prefill", "merge_states", "mla_prefill",
     "mla_prefill_decode_graph", "mla_prefill_plan", "mla_prefill_v2_ragged", "mla_write_cache",
     "apply_rope", "rope_freqs_cis",
+    "plan", "MLAPlan", "AttentionSpec", "SparseSpec",
 ]

@@ -169,6 +169,22 @@ class CacheBatch:
         else:
             flat.index_copy_(0, rows, stored.to(flat.device))
 
+    # Addressing (the one definition of a token's position and physical row) -----------------
+    def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seq, pos)``: sequence index and absolute position of each new token, int64 ``[T]`` on
+        the metadata's device. Token ``i`` of sequence ``b`` sits at ``cache_lengths[b] + i``."""
+        device = self.input_row_offsets.device
+        offsets = self.input_row_offsets.to(torch.int64)
+        T = self.offsets_list[-1] if self.offsets_list else 0
+        seq = torch.repeat_interleave(offsets.diff(), output_size=T)
+        start = self.cache_lengths.to(torch.int64) - offsets[:-1]  # position - row, per sequence
+        return seq, torch.arange(T, device=device) + start[seq]
+
+    def physical_rows(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Physical rows ``block_table[seq, pos // page_size] * page_size + pos % page_size`` (int64)."""
+        ps = self.page_size
+        return self.block_table[seq, pos // ps].to(torch.int64) * ps + pos % ps
+
     @property
     def max_new_tokens(self) -> int:
         return max(self.new_tokens_list, default=0)

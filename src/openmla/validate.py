@@ -5,17 +5,18 @@ Every failure is a ``ValueError`` whose message starts with the argument's name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
 import torch
 
 from .cache import CacheBatch
-from .fp8 import CACHE_FORMATS
-from .masks import MaskVariant
+from .fp8 import CACHE_FORMATS, FP8
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
+STORAGE_DTYPES = {"native": FLOAT_DTYPES, "fp8_e4m3": (FP8,), "fp8_ds_mla": (torch.uint8,)}
 
 
 def check_tensor(
@@ -56,10 +57,17 @@ def check_int(name: str, value: object, lo: int | None = None, hi: int | None = 
     return value
 
 
+def check_float(name: str, value: object, lo: float | None = None) -> float:
+    """A finite real number (not a bool), optionally ``>= lo``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {value!r}")
+    return float(value)
+
+
 def check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(float(scale)):
-        raise ValueError(f"scale: expected a finite float, got {scale!r}")
-    return float(scale)
+    return check_float("scale", scale)
 
 
 def check_offsets(name: str, offsets: object, total: int, device: torch.device) -> list[int]:
@@ -77,40 +85,72 @@ def check_offsets(name: str, offsets: object, total: int, device: torch.device) 
     return vals
 
 
-def check_cache_batch(kv_collection: object, layer_idx: object, device: torch.device, head_dim: int | None = None) -> CacheBatch:
-    """The cache view: storage shape, lengths, page table entries the batch will touch, layer."""
+def _host_ints(name: str, t: torch.Tensor) -> list[int]:
+    """Values of a small index tensor on the host (one transfer)."""
+    return [int(v) for v in t.to("cpu", torch.int64).tolist()]
+
+
+def check_storage(batch: CacheBatch, device: torch.device | None = None) -> None:
+    """The cache storage of a batch view: rank, dtype for its format, page size, scales."""
+    check_tensor("kv_collection.blocks", batch.blocks, rank=4, device=device)
+    fmt = batch.cache_format
+    if fmt not in CACHE_FORMATS:
+        raise ValueError(f"kv_collection.cache_format: {fmt!r} is not one of {CACHE_FORMATS}")
+    want = STORAGE_DTYPES[fmt]
+    if batch.blocks.dtype not in want:
+        raise ValueError(f"kv_collection.blocks: a {fmt} cache is stored as {[str(d) for d in want]}, got {batch.blocks.dtype}")
+    if isinstance(batch.page_size, bool) or not isinstance(batch.page_size, int) or batch.page_size != batch.blocks.shape[2]:
+        raise ValueError(f"kv_collection.page_size: {batch.page_size!r} but blocks hold pages of {batch.blocks.shape[2]}")
+    dev = batch.blocks.device
+    if fmt == "fp8_e4m3":
+        check_tensor("kv_collection.kv_scale", batch.kv_scale, shape=(batch.num_layers,), dtypes=(torch.float32,), device=dev)
+    if fmt == "fp8_ds_mla" and (isinstance(batch.rope_dim, bool) or not isinstance(batch.rope_dim, int) or batch.rope_dim < 2):
+        raise ValueError(f"kv_collection.rope_dim: fp8_ds_mla records need the rope width, got {batch.rope_dim!r}")
+
+
+def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheBatch:
+    """Validate a ``CacheBatch`` and return a view over private int32 copies of its metadata, with
+    host lists read from those copies (what is validated is exactly what the kernels read).
+
+    Checks: storage (``check_storage``), metadata ranks/dtypes/devices, ``input_row_offsets`` (0
+    first, non-decreasing, ``B+1`` entries), ``cache_lengths >= 0``, and every page-table entry a
+    sequence will touch inside the pool.
+    """
     if not isinstance(kv_collection, CacheBatch):
         raise ValueError(f"kv_collection: expected a CacheBatch, got {type(kv_collection).__name__}")
     b = kv_collection
-    check_tensor("kv_collection.blocks", b.blocks, rank=4, device=device)
-    if b.cache_format not in CACHE_FORMATS:
-        raise ValueError(f"kv_collection.cache_format: {b.cache_format!r} is not one of {CACHE_FORMATS}")
-    if b.cache_format == "fp8_e4m3":
-        check_tensor("kv_collection.kv_scale", b.kv_scale, shape=(b.num_layers,), dtypes=(torch.float32,), device=device)
-    if b.cache_format == "fp8_ds_mla" and (not isinstance(b.rope_dim, int) or b.rope_dim < 2):
-        raise ValueError(f"kv_collection.rope_dim: fp8_ds_mla records need the rope width, got {b.rope_dim!r}")
+    check_storage(b)
+    dev = b.blocks.device
     if head_dim is not None and b.head_dim != head_dim:
         raise ValueError(f"kv_collection.blocks: entry width {b.head_dim}, expected {head_dim} (L+R)")
-    if b.blocks.shape[2] != b.page_size:
-        raise ValueError(f"kv_collection.page_size: {b.page_size} but blocks hold pages of {b.blocks.shape[2]}")
-    check_int("layer_idx", layer_idx, 0, b.num_layers)
-    nb = b.batch_size
-    check_tensor("kv_collection.cache_lengths", b.cache_lengths, rank=1, dtypes=INDEX_DTYPES, device=device)
-    check_tensor("kv_collection.block_table", b.block_table, shape=(nb, None), dtypes=INDEX_DTYPES, device=device)
-    check_offsets("kv_collection.input_row_offsets", b.input_row_offsets, int(b.input_row_offsets[-1]) if b.input_row_offsets.numel() else 0, device)
-    if b.input_row_offsets.shape[0] != nb + 1:
-        raise ValueError(f"kv_collection.input_row_offsets: {b.input_row_offsets.shape[0]} entries for {nb} sequences")
-    if any(c < 0 for c in b.cache_lengths_list):
-        raise ValueError(f"kv_collection.cache_lengths: negative length in {b.cache_lengths_list}")
-    table = b.block_table.to("cpu", torch.int64)
-    for i, n in enumerate(b.seq_lens_list):
-        pages = -(-n // b.page_size)
-        if pages > table.shape[1]:
-            raise ValueError(f"kv_collection.block_table: sequence {i} needs {pages} pages, the table has {table.shape[1]}")
-        used = table[i, :pages]
-        if pages and (int(used.min()) < 0 or int(used.max()) >= b.num_pages):
+    cl = check_tensor("kv_collection.cache_lengths", b.cache_lengths, rank=1, dtypes=INDEX_DTYPES, device=dev)
+    B = cl.shape[0]
+    bt = check_tensor("kv_collection.block_table", b.block_table, shape=(B, None), dtypes=INDEX_DTYPES, device=dev)
+    offs = check_tensor("kv_collection.input_row_offsets", b.input_row_offsets, shape=(B + 1,), dtypes=INDEX_DTYPES, device=dev)
+    # Private copies first, then every check reads the copies (one host transfer for the lengths).
+    cl, offs, bt = (t.to(torch.int32, copy=True).contiguous() for t in (cl, offs, bt))
+    host = _host_ints("kv_collection", torch.cat([cl, offs]))
+    cache_lens, offsets = host[:B], host[B:]
+    if offsets[0] != 0:
+        raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {offsets[0]}")
+    if any(y < x for x, y in zip(offsets, offsets[1:])):
+        raise ValueError(f"kv_collection.input_row_offsets: must be non-decreasing, got {offsets}")
+    if any(c < 0 for c in cache_lens):
+        raise ValueError(f"kv_collection.cache_lengths: negative length in {cache_lens}")
+    ps = b.page_size
+    pages = [-(-(c + offsets[i + 1] - offsets[i]) // ps) for i, c in enumerate(cache_lens)]
+    if any(p > bt.shape[1] for p in pages):
+        i = next(i for i, p in enumerate(pages) if p > bt.shape[1])
+        raise ValueError(f"kv_collection.block_table: sequence {i} needs {pages[i]} pages, the table has {bt.shape[1]}")
+    if B and bt.shape[1]:
+        used = torch.arange(bt.shape[1], device=dev)[None, :] < torch.tensor(pages, device=dev)[:, None]
+        bad = used & ((bt < 0) | (bt >= b.num_pages))
+        if bool(bad.any()):
+            i = int(bad.any(dim=1).nonzero()[0])
             raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {b.num_pages})")
-    return b
+    snap = dataclasses.replace(b, block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host={})
+    snap._host.update(cache=cache_lens, offsets=offsets)
+    return snap
 
 
 def check_sparse(
@@ -118,73 +158,57 @@ def check_sparse(
     topk_lengths: object,
     physical_indices: bool,
     batch: CacheBatch,
-    offsets: list[int],
-    num_rows: int,
     device: torch.device,
-) -> None:
-    """Sparse top-k indices ``[T, stride]`` (-1 = unused) and optional ``topk_lengths [B]``."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sparse top-k indices ``[T, stride]`` (-1 = unused) and optional ``topk_lengths [B]``, against
+    a validated batch. Returns private int32 copies (what the kernels will read)."""
     if sparse_indices is None:
-        if topk_lengths is not None:
-            raise ValueError("topk_lengths: given without sparse_indices")
-        return
-    check_tensor("sparse_indices", sparse_indices, rank=2, dtypes=INDEX_DTYPES, device=device)
-    if sparse_indices.shape[0] != num_rows:
-        raise ValueError(f"sparse_indices: {sparse_indices.shape[0]} rows for {num_rows} query tokens")
-    stride = int(sparse_indices.shape[1])
-    idx = sparse_indices.to("cpu", torch.int64)
-    if idx.numel() and int(idx.min()) < -1:
-        raise ValueError("sparse_indices: entries must be >= -1 (-1 marks an unused slot)")
-    if physical_indices:
-        limit = batch.num_pages * batch.page_size
-        if idx.numel() and int(idx.max()) >= limit:
-            raise ValueError(f"sparse_indices: physical row {int(idx.max())} outside the cache ({limit} rows)")
-    else:
-        seq_of_row = torch.repeat_interleave(torch.arange(len(offsets) - 1), torch.tensor([b - a for a, b in zip(offsets, offsets[1:])]))
-        limits = torch.tensor(batch.seq_lens_list, dtype=torch.int64)[seq_of_row]
-        if idx.numel() and bool((idx >= limits[:, None]).any()):
-            raise ValueError("sparse_indices: a logical index is at or past its sequence's length")
+        raise ValueError("topk_lengths: given without sparse_indices")
+    T = batch.offsets_list[-1]
+    idx = check_tensor("sparse_indices", sparse_indices, rank=2, dtypes=INDEX_DTYPES, device=device)
+    if idx.shape[0] != T:
+        raise ValueError(f"sparse_indices: {idx.shape[0]} rows for {T} query tokens")
+    idx = idx.to(torch.int32, copy=True).contiguous()
+    stride = int(idx.shape[1])
+    if idx.numel():
+        if physical_indices:
+            limit = batch.num_pages * batch.page_size
+            lo, hi = _host_ints("sparse_indices", torch.stack([idx.min(), idx.max()]))
+            if lo < -1:
+                raise ValueError("sparse_indices: entries must be >= -1 (-1 marks an unused slot)")
+            if hi >= limit:
+                raise ValueError(f"sparse_indices: physical row {hi} outside the cache ({limit} rows)")
+        else:
+            seq, _ = batch.token_positions()
+            limits = torch.tensor(batch.seq_lens_list, dtype=torch.int32, device=device)[seq]
+            low, past = _host_ints("sparse_indices", torch.stack([(idx < -1).any(), (idx >= limits[:, None]).any()]))
+            if low:
+                raise ValueError("sparse_indices: entries must be >= -1 (-1 marks an unused slot)")
+            if past:
+                raise ValueError("sparse_indices: a logical index is at or past its sequence's length")
+    topk = None
     if topk_lengths is not None:
-        check_tensor("topk_lengths", topk_lengths, shape=(len(offsets) - 1,), dtypes=INDEX_DTYPES, device=device)
-        tl = [int(v) for v in topk_lengths.tolist()]
+        B = batch.batch_size
+        topk = check_tensor("topk_lengths", topk_lengths, shape=(B,), dtypes=INDEX_DTYPES, device=device)
+        topk = topk.to(torch.int32, copy=True).contiguous()
+        tl = _host_ints("topk_lengths", topk)
         if any(v < 0 or v > stride for v in tl):
             raise ValueError(f"topk_lengths: entries must lie in [0, {stride}] (the stride), got {tl}")
+    return idx, topk
 
 
-def check_attn_sink(attn_sink: object, num_heads: int, batch_size: int, device: torch.device) -> None:
-    if attn_sink is None:
-        return
+def check_attn_sink(attn_sink: object, num_heads: int | None, batch_size: int, device: torch.device,
+                    check_values: bool = True) -> None:
+    """float32 ``[H]`` or ``[B, H]`` (``num_heads`` None: any H); NaN-free when ``check_values``."""
     check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), device=device)
-    if tuple(attn_sink.shape) not in ((num_heads,), (batch_size, num_heads)):
-        raise ValueError(f"attn_sink: expected shape ({num_heads},) or ({batch_size}, {num_heads}), got {tuple(attn_sink.shape)}")
-    if bool(torch.isnan(attn_sink).any()):
+    shape = tuple(attn_sink.shape)
+    ok = (len(shape) == 1 or (len(shape) == 2 and shape[0] == batch_size)) and (num_heads is None or shape[-1] == num_heads)
+    if not ok or shape[-1] < 1:
+        h = "H" if num_heads is None else num_heads
+        raise ValueError(f"attn_sink: expected shape ({h},) or ({batch_size}, {h}), got {shape}")
+    if check_values and bool(torch.isnan(attn_sink).any()):
         raise ValueError("attn_sink: contains NaN")
 
 
 def check_optional_positive(name: str, value: object) -> int | None:
     return None if value is None else check_int(name, value, 1)
-
-
-def check_attention_common(
-    *,
-    q_rows: int,
-    num_heads: int,
-    batch: CacheBatch,
-    offsets: list[int],
-    scale: object,
-    mask: object,
-    window_size: object,
-    chunk_size: object,
-    sparse_indices: object,
-    topk_lengths: object,
-    physical_indices: object,
-    attn_sink: object,
-    device: torch.device,
-) -> tuple[float, MaskVariant]:
-    """Checks shared by the decode, prefill and fused entry points."""
-    scale = check_scale(scale)
-    variant = MaskVariant.parse(mask, window_size, chunk_size)
-    if not isinstance(physical_indices, bool):
-        raise ValueError(f"physical_indices: expected a bool, got {physical_indices!r}")
-    check_sparse(sparse_indices, topk_lengths, physical_indices, batch, offsets, q_rows, device)
-    check_attn_sink(attn_sink, num_heads, batch.batch_size, device)
-    return scale, variant

@@ -1,24 +1,17 @@
-"""Backend registry. A backend is a module-level object with the primitives ``ops`` composes:
-
-- ``write_cache(q, kv, freqs_cis, kv_norm_gamma, batch, layer_idx, epsilon, interleaved) -> q_rot``
-- ``absorb(q_rot, w_uk) -> q_abs [T,H,L+R]`` and ``unabsorb(out_lat, w_uv) -> [T,H,Dv]``
-- ``decode(q_abs, batch, layer_idx, *, scale, kv_lora_rank, mask, sparse_indices, topk_lengths,
-  physical_indices, attn_sink, num_partitions) -> (out_lat, lse)``
-- ``prefill(q_rot, batch, layer_idx, w_k, w_uv, *, scale, mask, sparse_indices, topk_lengths,
-  physical_indices, attn_sink, buffer_size) -> (out, lse)``
-- ``flare_mla_prefill(q, k, v, buffer_row_offsets, cache_offsets, batch, layer_idx, *, scale, mask,
-  tile) -> (out, lse)``
-
-Arguments reach a backend already validated. Outputs may be in any float dtype; ``ops``
-casts them to the caller's.
+"""Backend registry: ``torch`` (eager PyTorch, any device), ``triton`` (GPU kernels; the CPU through
+Triton's interpreter) and ``reference`` (the float64 oracle). Each is a module implementing
+``base.Backend``; ``openmla.plan`` picks one and drives it.
 """
 
 from __future__ import annotations
 
 import os
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .base import Backend
 
 BACKENDS = ("torch", "triton", "reference")
 
@@ -31,7 +24,7 @@ def resolve_backend_name(backend: str | None, device: torch.device) -> str:
     return name
 
 
-def load_backend(name: str) -> ModuleType:
+def load_backend(name: str) -> "Backend":
     if name == "reference":
         from . import reference_backend as mod
     elif name == "torch":

@@ -1,7 +1,8 @@
-"""The ``reference`` backend: ``openmla.reference`` (float64, per token) behind the backend interface.
+"""The ``reference`` backend: ``openmla.reference`` (float64, per token) behind ``base.Backend``.
 
-Chunking (``buffer_size``) and split-KV (``num_partitions``) change only how a fast
-path schedules the work, never the result, so the oracle ignores them.
+Chunking (``buffer_size``) and split-KV (``num_partitions``) change only how a fast path
+schedules the work, never the result, so the oracle ignores them. Absorption and the output
+projection are its own float64 versions too, so a reference run is float64 end to end.
 """
 
 from __future__ import annotations
@@ -9,14 +10,21 @@ from __future__ import annotations
 import torch
 
 from .. import reference as ref
-from ..cache import CacheBatch
-from ..masks import MaskVariant
 
 F64 = torch.float64
-CACHE_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
+name = "reference"
+cache_formats = ("native", "fp8_e4m3", "fp8_ds_mla")
 
 
-def write_cache(q, kv, freqs_cis, kv_norm_gamma, batch: CacheBatch, layer_idx: int, epsilon: float, interleaved: bool):
+def _sparse_kwargs(spec) -> dict:
+    s = spec.sparse
+    if s is None:
+        return dict(sparse_indices=None, topk_lengths=None, physical_indices=True)
+    return dict(sparse_indices=s.indices, topk_lengths=s.topk_lengths, physical_indices=s.physical)
+
+
+def write_cache(plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved):
+    batch = plan.batch
     ref.write_cache(kv, freqs_cis, kv_norm_gamma, batch, layer_idx, epsilon, interleaved)
     R = kv.shape[1] - kv_norm_gamma.shape[0]
     qf = q.cpu().to(F64)
@@ -35,18 +43,16 @@ def unabsorb(out_lat, w_uv):
     return torch.einsum("thl,hvl->thv", out_lat.cpu().to(F64), w_uv.cpu().to(F64))
 
 
-def decode(q_abs, batch, layer_idx, *, scale, kv_lora_rank, mask: MaskVariant, sparse_indices, topk_lengths,
-           physical_indices, attn_sink, num_partitions):
-    return ref.decode(q_abs, batch, layer_idx, scale=scale, kv_lora_rank=kv_lora_rank, mask=mask,
-                      sparse_indices=sparse_indices, topk_lengths=topk_lengths,
-                      physical_indices=physical_indices, attn_sink=attn_sink)
+def decode(plan, layer_idx, q_abs, spec, kv_lora_rank):
+    return ref.decode(q_abs, plan.batch, layer_idx, scale=spec.scale, kv_lora_rank=kv_lora_rank, mask=spec.mask,
+                      attn_sink=spec.attn_sink, **_sparse_kwargs(spec))
 
 
-def prefill(q_rot, batch, layer_idx, w_k, w_uv, *, scale, mask: MaskVariant, sparse_indices, topk_lengths,
-            physical_indices, attn_sink, buffer_size):
-    return ref.prefill(q_rot, batch, layer_idx, w_k, w_uv, scale=scale, mask=mask, sparse_indices=sparse_indices,
-                       topk_lengths=topk_lengths, physical_indices=physical_indices, attn_sink=attn_sink)
+def prefill(plan, layer_idx, q_rot, w_k, w_uv, spec):
+    return ref.prefill(q_rot, plan.batch, layer_idx, w_k, w_uv, scale=spec.scale, mask=spec.mask, attn_sink=spec.attn_sink,
+                       **_sparse_kwargs(spec))
 
 
-def flare_mla_prefill(q, k, v, buffer_row_offsets, cache_offsets, batch, layer_idx, *, scale, mask: MaskVariant, tile=None):
-    return ref.flare_mla_prefill(q, k, v, buffer_row_offsets, cache_offsets, batch, layer_idx, scale=scale, mask=mask)
+def flare_mla_prefill(plan, layer_idx, q, k, v, chunk, spec, tile=None):
+    return ref.flare_mla_prefill(q, k, v, chunk.buffer_row_offsets, chunk.cache_offsets, plan.batch, layer_idx,
+                                 scale=spec.scale, mask=spec.mask)

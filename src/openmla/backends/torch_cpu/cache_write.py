@@ -1,37 +1,23 @@
 """torch backend: the per-token cache write of a ragged batch, in one vectorised pass.
 
-For the ``T`` new tokens: positions from the batch's offsets and cache lengths, physical rows
-through the page table, RMSNorm of the latent, RoPE of the key rope part, one ``index_copy_``
-into ``blocks[layer_idx]``; q's rope part is rotated with the same positions. No Python loop
-runs per token or per sequence, and the op count does not grow with T.
+For the ``T`` new tokens (positions and physical rows precomputed once per step by the plan):
+RMSNorm of the latent, RoPE of the key rope part, one ``index_copy_`` into
+``blocks[layer_idx]``; q's rope part is rotated with the same positions. No Python loop runs
+per token or per sequence, and the op count does not grow with T.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...cache import CacheBatch
 
-__all__ = ["write_cache", "token_positions", "token_rows", "rotate"]
+if TYPE_CHECKING:
+    from ...planning import MLAPlan
 
-
-def token_positions(batch: CacheBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(seq, pos)``: sequence index and absolute position of each new token, both int64 ``[T]``.
-
-    Token ``i`` of sequence ``b`` sits at ``cache_lengths[b] + i``.
-    """
-    offsets = batch.input_row_offsets.to(device=device, dtype=torch.int64)
-    T = int(batch.offsets_list[-1])
-    seq = torch.repeat_interleave(offsets.diff(), output_size=T)
-    start = batch.cache_lengths.to(device=device, dtype=torch.int64) - offsets[:-1]  # pos - row, per sequence
-    return seq, torch.arange(T, device=device) + start[seq]
-
-
-def token_rows(batch: CacheBatch, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Physical cache rows (``page * page_size + offset``) of positions ``pos`` of sequences ``seq``."""
-    ps = batch.page_size
-    table = batch.block_table.to(device=pos.device, dtype=torch.int64)
-    return table[seq, pos // ps] * ps + pos % ps
+__all__ = ["write_cache", "rotate"]
 
 
 def rotate(x: torch.Tensor, freqs_cis: torch.Tensor, pos: torch.Tensor, interleaved: bool, compute: torch.dtype) -> torch.Tensor:
@@ -86,12 +72,12 @@ def _scatter(batch: CacheBatch, layer_idx: int, rows: torch.Tensor, entries: tor
 
 
 def write_cache(
+    plan: "MLAPlan",
+    layer_idx: int,
     q: torch.Tensor,
     kv: torch.Tensor,
     freqs_cis: torch.Tensor,
     kv_norm_gamma: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
     epsilon: float,
     interleaved: bool = True,
 ) -> torch.Tensor:
@@ -101,16 +87,16 @@ def write_cache(
     the key rope part is rotated at each token's position (float64), both stored in the cache
     dtype. The returned q is a new tensor of q's dtype, rotated in float32 (float64 for float64 q).
     """
-    device = kv.device
+    batch = plan.batch
     R = kv.shape[1] - kv_norm_gamma.shape[0]
     Dn = q.shape[2] - R
-    seq, pos = token_positions(batch, device)
+    pos = plan.token_pos
     if kv.shape[0] and not batch.is_native:  # fp8 formats: float32 entries, quantised by the cache
         entries = cache_entries(kv, freqs_cis, kv_norm_gamma, pos, epsilon, interleaved, torch.float32)
-        batch.write_rows(layer_idx, token_rows(batch, seq, pos), entries)
+        batch.write_rows(layer_idx, plan.write_rows, entries)
     elif kv.shape[0]:
         entries = cache_entries(kv, freqs_cis, kv_norm_gamma, pos, epsilon, interleaved, batch.blocks.dtype)
-        _scatter(batch, layer_idx, token_rows(batch, seq, pos).to(batch.blocks.device), entries.to(batch.blocks.device))
+        _scatter(batch, layer_idx, plan.write_rows.to(batch.blocks.device), entries.to(batch.blocks.device))
     q_rot = torch.empty_like(q, memory_format=torch.contiguous_format)
     q_rot[..., :Dn] = q[..., :Dn]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -20,15 +20,19 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ...cache import CacheBatch
 from ...masks import MaskVariant
-from .cache_write import token_positions
 
-__all__ = ["absorb", "unabsorb", "decode", "pick_num_partitions"]
+if TYPE_CHECKING:
+    from ...planning import MLAPlan
+    from ...spec import AttentionSpec
+from ...combine import apply_sink, merge_states
+
+__all__ = ["decode", "pick_num_partitions"]
 
 # Tuning, measured in place on a 2-core Zen 4 in bf16 (bench/RESULTS.md). One block of scores
 # holds at most SCORE_BUDGET elements (M = 128 query rows: 4096 keys; 2048 measured the same,
@@ -88,30 +92,6 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
         views.clear()
     views[key] = view
     return view
-
-
-# Absorption ---------------------------------------------------------------------------
-def _heads_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per-head product ``x [T, H, a] @ w [H, a, b] -> [T, H, b]`` (heads are the bmm batch)."""
-    dtype = torch.promote_types(x.dtype, w.dtype)
-    y = torch.bmm(x.transpose(0, 1).to(dtype), w.to(dtype))  # [H, T, b]
-    return y.transpose(0, 1)
-
-
-def absorb(q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """``q_abs [T, H, L+R]``: ``q_lat[t, h] = w_uk[h] @ q_nope[t, h]`` (``w_uk [H, L, Dn]``), then
-    q_rope; in q_rot's dtype."""
-    T, H, _ = q_rot.shape
-    L, Dn = w_uk.shape[1], w_uk.shape[2]
-    out = torch.empty(T, H, L + q_rot.shape[2] - Dn, dtype=q_rot.dtype, device=q_rot.device)
-    out[..., :L] = _heads_bmm(q_rot[..., :Dn], w_uk.transpose(1, 2))
-    out[..., L:] = q_rot[..., Dn:]
-    return out
-
-
-def unabsorb(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """``out [T, H, Dv] = w_uv[h] @ out_lat[t, h]`` (``w_uv [H, Dv, L]``), in out_lat's dtype."""
-    return _heads_bmm(out_lat, w_uv.transpose(1, 2)).to(out_lat.dtype)
 
 
 # Online softmax over key blocks -----------------------------------------------------------
@@ -261,20 +241,6 @@ def _store(state: _State | None, dest: _State) -> None:
         dest.nm.copy_(state.nm)
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """LSE-merge independently computed partitions ``(o, lse)``."""
-    o, lse = parts[0]
-    for o_b, lse_b in parts[1:]:
-        m = torch.maximum(lse, lse_b)
-        m_safe = torch.where(torch.isfinite(m), m, 0.0)
-        wa, wb = torch.exp(lse - m_safe), torch.exp(lse_b - m_safe)
-        denom = wa + wb
-        safe = torch.where(denom > 0, denom, 1.0)
-        o = o * (wa / safe).unsqueeze(-1) + o_b * (wb / safe).unsqueeze(-1)
-        lse = torch.where(denom > 0, m_safe + torch.log(safe), -math.inf)
-    return o, lse
-
-
 def _run_parts(
     parts: list[tuple[int, int]], blocks_of: Callable[[int, int], list], step: Callable, dest: _State
 ) -> None:
@@ -295,7 +261,9 @@ def _run_parts(
         o, lse = torch.empty(dest.acc.shape, dtype=dest.den.dtype, device=dest.den.device), torch.empty_like(dest.den)
         _normalise(state, o, lse)
         results.append((o, lse))
-    o, lse = _merge(results)
+    o, lse = results[0]
+    for part in results[1:]:
+        o, lse = merge_states(o, lse, *part)
     # A merged result is its own unnormalised state with l = 1 and offset lse.
     _store(_State(torch.mul(lse, -LOG2E), torch.ones_like(lse), o), dest)
 
@@ -415,7 +383,7 @@ class _Ctx:
 
     q: torch.Tensor  # [T, H, D] in the matmul dtype, sign folded so that the scale is >= 0
     keys: _PagedKeys
-    batch: CacheBatch
+    plan: "MLAPlan"
     a: float  # scale * log2(e), >= 0
     L: int  # value columns (kv_lora_rank)
     mask: MaskVariant
@@ -429,6 +397,7 @@ class _Ctx:
     def __post_init__(self) -> None:
         T, H, D = self.q.shape
         self.H = H
+        self.batch = self.plan.batch
         # Flat (token, head)-row views, made once: a chunk's rows are then one slice each.
         self.q_t = self.q.view(T * H, D).t()
         self.flat = _State(self.nm.view(-1), self.den.view(-1), self.acc.view(T * H, self.L))
@@ -514,7 +483,7 @@ def _sparse_rows(
 def _sparse(ctx: _Ctx, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor | None, physical: bool) -> None:
     """Groups of query tokens, each against its own listed keys (one bmm per key block)."""
     T, H, device = ctx.q.shape[0], ctx.H, ctx.q.device
-    seq, pos = token_positions(ctx.batch, device)
+    seq, pos = ctx.plan.token_seq.to(device), ctx.plan.token_pos.to(device)
     idx = sparse_indices.to(device)
     topk = None if topk_lengths is None else topk_lengths.to(device, torch.int64)
     stride = idx.shape[1]
@@ -546,37 +515,16 @@ def _matmul_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype
     return torch.float32 if dtype == torch.float16 else dtype  # no fast fp16 GEMM on this CPU path
 
 
-def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor, batch: CacheBatch) -> None:
-    """``out *= e^lse / (e^lse + e^sink)`` in place; the sink joins the denominator only."""
-    sink = attn_sink.to(lse.device, lse.dtype)
-    if sink.dim() == 2:
-        seq, _ = token_positions(batch, lse.device)
-        sink = sink[seq]
-    factor = torch.sigmoid(lse - sink).nan_to_num_(nan=0.0)  # -inf - (-inf): no key and no sink weight
-    out.mul_(factor.unsqueeze(-1).to(out.dtype))
-
-
-def _run(ctx: _Ctx, sparse_indices, topk_lengths, physical_indices: bool) -> None:
-    if sparse_indices is None:
+def _run(ctx: _Ctx, sparse) -> None:
+    if sparse is None:
         _dense(ctx)
     else:
-        _sparse(ctx, sparse_indices, topk_lengths, physical_indices)
+        _sparse(ctx, sparse.indices, sparse.topk_lengths, sparse.physical)
 
 
 @torch.no_grad()
 def decode(
-    q_abs: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    *,
-    scale: float,
-    kv_lora_rank: int,
-    mask: MaskVariant = MaskVariant(),
-    sparse_indices: torch.Tensor | None = None,
-    topk_lengths: torch.Tensor | None = None,
-    physical_indices: bool = True,
-    attn_sink: torch.Tensor | None = None,
-    num_partitions: int | None = None,
+    plan: "MLAPlan", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec", kv_lora_rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed attention: ``q_abs [T, H, L+R]`` against the cache rows of ``layer_idx``.
 
@@ -585,29 +533,32 @@ def decode(
     holds this call's tokens. Rows with no visible key give zeros and -inf. Inference only: the
     outputs carry no autograd graph (the kernel writes into reused scratch buffers).
     """
+    batch = plan.batch
     T, H, _ = q_abs.shape
     device = q_abs.device
     mm_dtype = _matmul_dtype(q_abs.dtype, batch.compute_dtype)
     stat = torch.float64 if mm_dtype == torch.float64 else torch.float32
     q = q_abs.to(mm_dtype)
+    scale = spec.scale
     if scale < 0:  # negating q is exact; the softmax then only sees a scale >= 0
         q, scale = -q, -scale
     ctx = _Ctx(
-        q=q.contiguous(), keys=(_PagedKeys if batch.is_native else _DequantKeys)(batch, layer_idx, mm_dtype), batch=batch, a=float(scale) * LOG2E,
-        L=kv_lora_rank, mask=mask, num_partitions=num_partitions, stat=stat,
+        q=q.contiguous(), keys=(_PagedKeys if batch.is_native else _DequantKeys)(batch, layer_idx, mm_dtype), plan=plan,
+        a=float(scale) * LOG2E, L=kv_lora_rank, mask=spec.mask, num_partitions=plan.num_partitions, stat=stat,
         acc=_alloc((T, H, kv_lora_rank), mm_dtype, device, "acc"), den=_alloc((T, H), stat, device, "den"),
         nm=_alloc((T, H), stat, device, "nm"),
     )
     if T:
-        _run(ctx, sparse_indices, topk_lengths, physical_indices)
+        _run(ctx, spec.sparse)
         # One sum each shows an inf or NaN anywhere (|acc| <= l * max|v|, far from overflow);
         # isfinite().all() costs 30x more on bf16.
         if not (math.isfinite(float(ctx.acc.sum())) and math.isfinite(float(ctx.den.sum()))):
             ctx.exact = True  # a sampled block offset was too low somewhere (or the inputs hold inf/NaN)
-            _run(ctx, sparse_indices, topk_lengths, physical_indices)
-    out = _alloc((T, H, kv_lora_rank), q_abs.dtype if attn_sink is None else stat, device)
+            _run(ctx, spec.sparse)
+    sink = spec.attn_sink
+    out = _alloc((T, H, kv_lora_rank), q_abs.dtype if sink is None else stat, device)
     lse = _alloc((T, H), stat, device)
     _normalise(_State(ctx.nm, ctx.den, ctx.acc), out, lse)
-    if attn_sink is not None and T:
-        _apply_sink(out, lse, attn_sink, batch)
+    if sink is not None and T:
+        apply_sink(out, lse, sink, plan.token_seq.to(device))
     return out.to(q_abs.dtype), lse.float()

@@ -14,7 +14,7 @@ is ``exp(max - lse)``, so ``lse = max(S) - log(max(P))`` (both maxima read as in
 ~10x faster than a bf16 reduction). Blocks fold into a float32 running state by LSE (float64
 for float64 inputs).
 
-``prefill`` cuts the keys of the batch into chunks (``ops.mla_prefill_plan``), gathers each
+``prefill`` cuts the keys of the batch into chunks (the plan's ``chunks``), gathers each
 chunk's latent rows through the page table, up-projects them block by block straight into the
 packed layout, and continues the same running state chunk after chunk, so memory is bounded by
 ``buffer_size`` whatever the context length.
@@ -26,11 +26,17 @@ import bisect
 import math
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...cache import CacheBatch
+from ...combine import apply_sink
 from ...masks import MaskVariant
+
+if TYPE_CHECKING:
+    from ...planning import ChunkRows, MLAPlan
+    from ...spec import AttentionSpec
 
 NEG_INF = float("-inf")
 F32 = torch.float32
@@ -413,17 +419,18 @@ def gather_entries(batch: CacheBatch, layer_idx: int, spans: list[tuple[int, int
     return flat.index_select(0, torch.cat(rows).to(flat.device))
 
 
-def output_of(
-    state: State, dtype: torch.dtype, attn_sink: torch.Tensor | None = None, batch: CacheBatch | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def output_of(state: State, dtype: torch.dtype, attn_sink: torch.Tensor | None = None,
+              token_seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised ``out [T, H, Dv]`` in ``dtype`` (the sink applied, if any) and float32
     ``lse [T, H]`` (without the sink)."""
     acc, lse = state.finish()
-    if attn_sink is not None:
-        _apply_sink(acc, lse, attn_sink, batch)
     H, T, Dv = acc.shape
-    out = _alloc((T, H, Dv), dtype, acc.device).copy_(acc.transpose(0, 1))
-    return out, lse.t().contiguous()
+    lse = lse.t().contiguous()
+    if attn_sink is None:
+        return _alloc((T, H, Dv), dtype, acc.device).copy_(acc.transpose(0, 1)), lse
+    out = acc.transpose(0, 1).contiguous()  # the sink scales in the state dtype, then one cast
+    apply_sink(out, lse, attn_sink, token_seq)
+    return out.to(dtype), lse
 
 
 def visible_span(mask: MaskVariant, work_q: tuple[int, int], k_lo: int, k_hi: int, kv_len: int) -> tuple[int, int]:
@@ -435,27 +442,24 @@ def visible_span(mask: MaskVariant, work_q: tuple[int, int], k_lo: int, k_hi: in
 
 # flare_mla_prefill -------------------------------------------------------------------
 def flare_mla_prefill(
+    plan: "MLAPlan",
+    layer_idx: int,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    buffer_row_offsets: torch.Tensor,
-    cache_offsets: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    *,
-    scale: float,
-    mask: MaskVariant,
+    chunk: "ChunkRows",
+    spec: "AttentionSpec",
     tile=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk with up-projected keys: ``q [T, H, Dn+R]`` (roped), ``k [S, H, Dn]``,
-    ``v [S, H, Dv]``; rows ``buffer_row_offsets[b]:[b+1]`` are sequence ``b``'s keys at positions
-    ``cache_offsets[b] + j`` (rope part read from the cache). ``tile``: an ``MlaConfigV2`` or None.
+    ``v [S, H, Dv]``; rows ``bro[b]:bro[b+1]`` of the chunk are sequence ``b``'s keys at positions
+    ``co[b] + j`` (rope part read from the cache). ``tile``: an ``MlaConfigV2`` or None.
     Returns ``out [T, H, Dv]`` (q's dtype) and float32 ``lse [T, H]`` over these keys."""
+    batch, scale, mask = plan.batch, spec.scale, spec.mask
     T, H, Dq = q.shape
     Dn, Dv = k.shape[2], v.shape[2]
     dtype = q.dtype
-    bro = [int(x) for x in buffer_row_offsets.tolist()]
-    co = [int(x) for x in cache_offsets.tolist()]
+    bro, co = chunk.bro, chunk.co
     offs, cache_lens, seq_lens = batch.offsets_list, batch.cache_lengths_list, batch.seq_lens_list
     block_m, block_n = pick_tiles(tile, H)
     state = State(H, T, Dv, q.device, stat_dtype(dtype))
@@ -537,77 +541,27 @@ def up_project(
     return out
 
 
-def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor, batch: CacheBatch) -> None:
-    """``out *= 1 / (1 + exp(sink - lse))`` in place (``out [H, T, Dv]``, ``lse [H, T]``);
-    ``attn_sink [H]`` or ``[B, H]``."""
-    sink = attn_sink.to(device=out.device, dtype=out.dtype)
-    if sink.dim() == 1:
-        sink = sink[:, None]  # [H, 1]
-    else:
-        counts = torch.tensor(batch.new_tokens_list, device=sink.device)
-        sink = sink.repeat_interleave(counts, dim=0).t()  # [H, T]
-    keep = torch.sigmoid(lse - sink).nan_to_num_(nan=0.0)  # lse = sink = -inf: no key, stays 0
-    out.mul_(keep.unsqueeze(2))
-
-
-def _sparse_prefill(q_rot, batch, layer_idx, w_k, w_uv, *, scale, mask, sparse_indices, topk_lengths,
-                    physical_indices, attn_sink):
-    """Sparse top-k prefill through the (mathematically identical) absorbed form."""
-    from .decode import absorb, decode, unabsorb
-
-    H = q_rot.shape[1]
-    L = w_uv.shape[2]
-    w_uk = w_k.reshape(H, -1, L).transpose(1, 2)
-    q_abs = absorb(q_rot, w_uk)
-    out_lat, lse = decode(q_abs, batch, layer_idx, scale=scale, kv_lora_rank=L, mask=mask,
-                          sparse_indices=sparse_indices, topk_lengths=topk_lengths,
-                          physical_indices=physical_indices, attn_sink=attn_sink, num_partitions=None)
-    return unabsorb(out_lat, w_uv), lse
-
-
 def prefill(
-    q_rot: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    w_k: torch.Tensor,
-    w_uv: torch.Tensor,
-    *,
-    scale: float,
-    mask: MaskVariant,
-    sparse_indices: torch.Tensor | None,
-    topk_lengths: torch.Tensor | None,
-    physical_indices: bool,
-    attn_sink: torch.Tensor | None,
-    buffer_size: int | None,
+    plan: "MLAPlan", layer_idx: int, q_rot: torch.Tensor, w_k: torch.Tensor, w_uv: torch.Tensor, spec: "AttentionSpec",
     tile=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill form over the paged cache (this call's tokens already written).
+    """Dense prefill form over the paged cache (this step's tokens already written).
 
     ``q_rot [T, H, Dn+R]``, ``w_k [H*Dn, L]``, ``w_uv [H, Dv, L]``. Keys are taken in chunks of at
-    most ``buffer_size`` rows (``ops.mla_prefill_plan``; None: about ``KV_BUFFER_BYTES`` of K/V).
-    Returns ``out [T, H, Dv]`` (q's dtype) and float32 ``lse [T, H]`` (sink excluded)."""
-    from ...ops import mla_prefill_plan
-
-    if sparse_indices is not None:
-        return _sparse_prefill(q_rot, batch, layer_idx, w_k, w_uv, scale=scale, mask=mask,
-                               sparse_indices=sparse_indices, topk_lengths=topk_lengths,
-                               physical_indices=physical_indices, attn_sink=attn_sink)
+    most ``plan.buffer_size`` rows (None: about ``KV_BUFFER_BYTES`` of K/V). Returns
+    ``out [T, H, Dv]`` (q's dtype) and float32 ``lse [T, H]`` (sink excluded)."""
+    batch, scale, mask = plan.batch, spec.scale, spec.mask
     T, H, Dq = q_rot.shape
     Dv, L = w_uv.shape[1], w_uv.shape[2]
     dtype = q_rot.dtype
     state = State(H, T, Dv, q_rot.device, stat_dtype(dtype))
-    total = sum(batch.seq_lens_list)
-    if T and total:
-        if buffer_size is None:
-            buffer_size = default_buffer_size(H, Dq, Dv, L, dtype)
-        num_chunks = -(-total // buffer_size)
-        bro, co, _ = mla_prefill_plan(batch.input_row_offsets, batch, buffer_size, num_chunks)
-        bro, co = bro.tolist(), co.tolist()
+    if T and plan.max_position:
+        chunks = plan.chunks(plan.buffer_size or default_buffer_size(H, Dq, Dv, L, dtype))
         w_k_c, w_v_c = w_k.to(dtype), w_uv.reshape(H * Dv, L).to(dtype)
         block_m, block_n = pick_tiles(tile, H)
         q_blocks: dict[int, list[torch.Tensor]] = {}  # per sequence, packed on first use
-        for c in range(num_chunks):
-            works = chunk_spans(batch, mask, bro[c], co[c])
+        for bro, co in zip(chunks.buffer_row_offsets, chunks.cache_offsets):
+            works = chunk_spans(batch, mask, bro, co)
             if not works:
                 continue
             keys = up_project(batch, layer_idx, works, w_k_c, w_v_c, H, block_n)
@@ -616,4 +570,4 @@ def prefill(
                     q_blocks[b] = pack_queries(q_rot, work.q0, work.q1, block_m, scale, dtype)
                 attend_sequence(q_blocks[b], kb, work, mask, block_m, state)
             del keys
-    return output_of(state, dtype, attn_sink, batch)
+    return output_of(state, dtype, spec.attn_sink, plan.token_seq)

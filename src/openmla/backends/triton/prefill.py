@@ -11,8 +11,8 @@ the queries sit at ``cache_lengths[b] + i``. Key tiles outside the mask's range 
 whole query block are skipped; inside, each (query, key) pair is tested against the
 query's ``[lo, hi)``. Online softmax in float32 (base 2), LSE out (natural log).
 
-``prefill`` (the full form): ``openmla.ops.mla_prefill_plan`` cuts the keys every sequence
-sees into chunks of at most ``buffer_size`` rows; per chunk the latent rows are gathered
+``prefill`` (the full form): the step's chunk plan (made once per step by ``openmla.plan``)
+cuts the keys every sequence sees into chunks of at most ``buffer_size`` rows; per chunk the latent rows are gathered
 through the page table, up-projected with two torch matmuls (cuBLAS on GPU) and attended
 by the kernel; chunk results fold into a running result with ``merge.merge_parts``, and
 the attention sink is applied once at the end. Memory is bounded by ``buffer_size`` rows
@@ -227,39 +227,30 @@ def gather_up_project(batch: CacheBatch, layer_idx: int, seq: torch.Tensor, pos:
 
 
 def prefill(q: torch.Tensor, batch: CacheBatch, layer_idx: int, w_k: torch.Tensor, w_uv: torch.Tensor, *,
-            scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None, buffer_size: int | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None, chunks) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense prefill form, chunked: ``q [T, H, Dn+R]`` (roped) -> ``out [T, H, Dv]``, ``lse [T, H]``.
 
-    Host work: the chunk plan from the batch's host lists (no device reads).
+    ``chunks``: the step's chunk plan (``openmla.plan.ChunkPlan``, host lists made once per step;
+    its per-chunk offset tensors are copied to the device once and shared by every layer).
     """
-    from ...ops import mla_prefill_plan  # ops imports the backends lazily; no cycle at call time
-
     _common.check_device(q)
     T, H, _ = q.shape
     DV = w_uv.shape[1]
-    DN = w_k.shape[0] // H
     dev = q.device
     if q.stride(2) != 1:
         q = q.contiguous()
-    total = sum(batch.seq_lens_list)
-    buffer_size = buffer_size or default_buffer_size(H, DN, DV, q.dtype)
-    num_chunks = max(1, -(-total // buffer_size))
-    host_offsets = torch.tensor(batch.offsets_list, dtype=torch.int32)
-    bro_all, co_all, lengths = mla_prefill_plan(host_offsets, batch, buffer_size, num_chunks)
-
     # Slot 0 holds the running result, slot 1 the newest chunk; merge_parts folds 1 into 0.
     o_parts = _common.empty((2, T, H, DV), torch.float32, dev)
     lse_parts = _common.empty((2, T, H), torch.float32, dev)
-    for c in range(num_chunks):
-        if int(lengths[c]) <= 0 and c > 0:
+    for c in range(chunks.num_chunks):
+        if chunks.lengths[c] <= 0 and c > 0:
             break
-        bro, co = bro_all[c].tolist(), co_all[c].tolist()
+        bro, co = chunks.buffer_row_offsets[c], chunks.cache_offsets[c]
         seq, pos = _chunk_rows(batch, bro, co)
         k_nope, v = gather_up_project(batch, layer_idx, seq, pos, w_k, w_uv, q.dtype)
         slot = min(c, 1)
-        flare_prefill_into(q, k_nope, v, bro_all[c].to(dev, torch.int32), co_all[c].to(dev, torch.int32), batch,
-                           layer_idx, o_parts[slot], lse_parts[slot], scale=scale, mask=mask,
+        bro_t, co_t = chunks.chunk_tensors(c, dev)
+        flare_prefill_into(q, k_nope, v, bro_t, co_t, batch, layer_idx, o_parts[slot], lse_parts[slot], scale=scale, mask=mask,
                            max_new_tokens=batch.max_new_tokens)
         if c > 0:
             merge_parts(o_parts, lse_parts, batch.input_row_offsets, out=o_parts[0], lse_out=lse_parts[0])

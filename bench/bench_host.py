@@ -1,0 +1,131 @@
+"""Host overhead of one decode step over a whole model's layers (issue: plan once per step).
+
+Run: ``.venv/bin/python bench/bench_host.py [--layers 61] [--batch 8 32] [--reps 7]``
+
+DeepSeek-V3 attention dims (L=512, R=64, Dn=128, Dv=128), H=16 (a TP=8 shard), ``--layers``
+layers, B sequences of 16 cached tokens and one new token each: the attention work per layer is
+tiny, so the step time is mostly host work (argument checks, planning, op dispatch).
+
+Three ways to run the same step, timed round-robin:
+- ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (every call validates and
+  plans again: what a model built on the seed-named ops does);
+- ``plan``: ``openmla.plan(batch, ...)`` once, then ``plan.run(...)`` per layer (skipped when the
+  installed openmla has no ``plan``);
+- ``kernels``: the backend primitives called directly with pre-validated arguments (no checks,
+  no planning): the floor the other two are compared with.
+
+Host time per layer = (way - kernels) / layers. Single-thread process CPU time is reported too,
+since it holds when another process shares the box. JSON: ``bench/out/host.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import openmla  # noqa: E402
+from openmla import PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out" / "host.json"
+CACHED = 16
+
+
+def setup(layers: int, B: int, seed: int = 0):
+    cfg = preset("deepseek-v3", num_heads=16)
+    H, L, R, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedLatentCache(layers, B + 2, page_size=64, head_dim=L + R, dtype=torch.bfloat16)
+    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=g).bfloat16())
+    ids = list(range(B))
+    cache.commit(cache.prepare(ids, [CACHED] * B))
+    batch = cache.prepare(ids, [1] * B)
+    bf = lambda *s: torch.randn(*s, generator=g).bfloat16()  # noqa: E731
+    w_k = bf(H * Dn, L) * L**-0.5
+    weights = dict(w_k=w_k, w_uk=w_k.view(H, Dn, L).transpose(1, 2).contiguous(), w_uv=bf(H, Dv, L) * L**-0.5)
+    inputs = dict(q=bf(B, H, Dn + R), kv=bf(B, L + R), freqs_cis=rope_freqs_cis(cfg, 4096), gamma=torch.ones(L).bfloat16())
+    return cfg, cache, batch, weights, inputs
+
+
+def step_per_op(cfg, batch, w, x, layers: int) -> None:
+    for layer in range(layers):
+        openmla.mla_prefill_decode_graph(x["q"], x["kv"], batch.input_row_offsets, x["freqs_cis"], x["gamma"], batch, layer,
+                                         w["w_k"], w["w_uk"], w["w_uv"], scale=cfg.softmax_scale)
+
+
+def step_plan(cfg, batch, w, x, layers: int) -> None:
+    plan = openmla.plan(batch, scale=cfg.softmax_scale)
+    for layer in range(layers):
+        plan.run(x["q"], x["kv"], x["freqs_cis"], x["gamma"], layer, w["w_k"], w["w_uk"], w["w_uv"])
+
+
+def step_kernels(cfg, batch, w, x, layers: int) -> None:
+    """The backend's primitives without checks or planning (the floor)."""
+    from openmla.backends import load_backend
+
+    be = load_backend("torch")
+    L = cfg.kv_lora_rank
+    if hasattr(openmla, "plan"):  # the plan/run contract: kernels take the plan's precomputed state
+        plan = openmla.plan(batch, scale=cfg.softmax_scale)
+        for layer in range(layers):
+            plan.run_kernels_only(x["q"], x["kv"], x["freqs_cis"], x["gamma"], layer, w["w_k"], w["w_uk"], w["w_uv"])
+        return
+    mask = openmla.MaskVariant()
+    for layer in range(layers):
+        q_rot = be.write_cache(x["q"], x["kv"], x["freqs_cis"], x["gamma"], batch, layer, 1e-6, True)
+        out_lat, _ = be.decode(be.absorb(q_rot, w["w_uk"]), batch, layer, scale=cfg.softmax_scale, kv_lora_rank=L, mask=mask,
+                               sparse_indices=None, topk_lengths=None, physical_indices=True, attn_sink=None, num_partitions=None)
+        be.unabsorb(out_lat, w["w_uv"])
+
+
+def measure(fn, reps: int) -> tuple[float, float]:
+    """(median wall seconds, median process CPU seconds) of ``fn()`` after two warm-up calls."""
+    fn()
+    fn()
+    wall, cpu = [], []
+    for _ in range(reps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: host work is single-threaded anyway)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ways = {"per-op": step_per_op, "kernels": step_kernels}
+    if hasattr(openmla, "plan"):
+        ways["plan"] = step_plan
+    rows = []
+    print(f"load average {os.getloadavg()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{args.threads} thread(s), {args.layers} layers, H=16, {CACHED} cached tokens per sequence")
+    for B in args.batch:
+        cfg, cache, batch, w, x = setup(args.layers, B)
+        res = {name: measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps) for name, f in ways.items()}
+        floor_wall, floor_cpu = res["kernels"]
+        for name, (wall, cpu) in res.items():
+            host = (wall - floor_wall) / args.layers
+            rows.append(dict(batch=B, way=name, step_ms=wall * 1e3, cpu_ms=cpu * 1e3, per_layer_ms=wall * 1e3 / args.layers,
+                             host_per_layer_ms=host * 1e3))
+            print(f"B={B:3d} {name:8s} step {wall * 1e3:8.2f} ms (cpu {cpu * 1e3:8.2f} ms)  per layer {wall * 1e3 / args.layers:6.3f} ms"
+                  f"  host per layer {host * 1e3:6.3f} ms")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(dict(load=os.getloadavg(), layers=args.layers, threads=args.threads, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
