@@ -6,16 +6,16 @@ DeepSeek-V3 attention dims (L=512, R=64, Dn=128, Dv=128), H=16 (a TP=8 shard), `
 layers, B sequences of 16 cached tokens and one new token each: the attention work per layer is
 tiny, so the step time is mostly host work (argument checks, planning, op dispatch).
 
-Three ways to run the same step, timed round-robin:
+Two ways to run the same step:
 - ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (every call validates and
   plans again: what a model built on the seed-named ops does);
 - ``plan``: ``openmla.plan(batch, ...)`` once, then ``plan.run(...)`` per layer (skipped when the
-  installed openmla has no ``plan``);
-- ``kernels``: the backend primitives called directly with pre-validated arguments (no checks,
-  no planning): the floor the other two are compared with.
+  installed openmla has no ``plan``; the script runs against older checkouts too).
 
-Host time per layer = (way - kernels) / layers. Single-thread process CPU time is reported too,
-since it holds when another process shares the box. JSON: ``bench/out/host.json``.
+Each runs twice: on the real ``torch`` backend (the step time), and on a null backend whose
+kernels return empty tensors at once, so that the time left is the host path alone (checks,
+planning, dispatch, absorption calls excluded). Host time per layer = null-backend process CPU
+time / layers: CPU time holds when another process shares the box. JSON: ``bench/out/host.json``.
 """
 
 from __future__ import annotations
@@ -67,23 +67,40 @@ def step_plan(cfg, batch, w, x, layers: int) -> None:
         plan.run(x["q"], x["kv"], x["freqs_cis"], x["gamma"], layer, w["w_k"], w["w_uk"], w["w_uv"])
 
 
-def step_kernels(cfg, batch, w, x, layers: int) -> None:
-    """The backend's primitives without checks or planning (the floor)."""
-    from openmla.backends import load_backend
+class NullBackend:
+    """Kernels that do no work: what is left of a step's time is the host path."""
 
-    be = load_backend("torch")
-    L = cfg.kv_lora_rank
-    if hasattr(openmla, "plan"):  # the plan/run contract: kernels take the plan's precomputed state
-        plan = openmla.plan(batch, scale=cfg.softmax_scale)
-        for layer in range(layers):
-            plan.run_kernels_only(x["q"], x["kv"], x["freqs_cis"], x["gamma"], layer, w["w_k"], w["w_uk"], w["w_uv"])
-        return
-    mask = openmla.MaskVariant()
-    for layer in range(layers):
-        q_rot = be.write_cache(x["q"], x["kv"], x["freqs_cis"], x["gamma"], batch, layer, 1e-6, True)
-        out_lat, _ = be.decode(be.absorb(q_rot, w["w_uk"]), batch, layer, scale=cfg.softmax_scale, kv_lora_rank=L, mask=mask,
-                               sparse_indices=None, topk_lengths=None, physical_indices=True, attn_sink=None, num_partitions=None)
-        be.unabsorb(out_lat, w["w_uv"])
+    name = "torch"
+    cache_formats = ("native", "fp8_e4m3", "fp8_ds_mla")
+
+    @staticmethod
+    def _q(*args):
+        return next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3)
+
+    def write_cache(self, *args):
+        return self._q(*args)
+
+    def absorb(self, q_rot, w_uk):
+        return q_rot.new_empty(q_rot.shape[0], q_rot.shape[1], w_uk.shape[1] + 64)
+
+    def unabsorb(self, out_lat, w_uv):
+        return out_lat.new_empty(out_lat.shape[0], out_lat.shape[1], w_uv.shape[1])
+
+    def decode(self, *args, **kw):
+        q = self._q(*args)
+        return q.new_empty(q.shape[0], q.shape[1], 512), q.new_empty(q.shape[0], q.shape[1])
+
+
+def null_backend(enabled: bool) -> None:
+    """Route the ``torch`` backend to ``NullBackend`` (or back)."""
+    import openmla.backends as backends
+
+    real = getattr(backends, "_real_load", backends.load_backend)
+    backends._real_load = real
+    backends.load_backend = (lambda name: NullBackend()) if enabled else real
+    for mod in ("openmla.ops", "openmla.planning"):  # modules that imported the name
+        if mod in sys.modules and hasattr(sys.modules[mod], "load_backend"):
+            sys.modules[mod].load_backend = backends.load_backend
 
 
 def measure(fn, reps: int) -> tuple[float, float]:
@@ -107,7 +124,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: host work is single-threaded anyway)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = {"per-op": step_per_op, "kernels": step_kernels}
+    ways = {"per-op": step_per_op}
     if hasattr(openmla, "plan"):
         ways["plan"] = step_plan
     rows = []
@@ -115,14 +132,16 @@ def main() -> None:
           f"{args.threads} thread(s), {args.layers} layers, H=16, {CACHED} cached tokens per sequence")
     for B in args.batch:
         cfg, cache, batch, w, x = setup(args.layers, B)
-        res = {name: measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps) for name, f in ways.items()}
-        floor_wall, floor_cpu = res["kernels"]
-        for name, (wall, cpu) in res.items():
-            host = (wall - floor_wall) / args.layers
-            rows.append(dict(batch=B, way=name, step_ms=wall * 1e3, cpu_ms=cpu * 1e3, per_layer_ms=wall * 1e3 / args.layers,
-                             host_per_layer_ms=host * 1e3))
-            print(f"B={B:3d} {name:8s} step {wall * 1e3:8.2f} ms (cpu {cpu * 1e3:8.2f} ms)  per layer {wall * 1e3 / args.layers:6.3f} ms"
-                  f"  host per layer {host * 1e3:6.3f} ms")
+        for name, f in ways.items():
+            null_backend(True)
+            null_wall, null_cpu = measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps)
+            null_backend(False)
+            wall, cpu = measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps)
+            host = null_cpu / args.layers
+            rows.append(dict(batch=B, way=name, step_ms=wall * 1e3, step_cpu_ms=cpu * 1e3, host_step_cpu_ms=null_cpu * 1e3,
+                             host_per_layer_us=host * 1e6))
+            print(f"B={B:3d} {name:7s} step {wall * 1e3:8.2f} ms (cpu {cpu * 1e3:8.2f} ms)  host path: {null_cpu * 1e3:7.2f} ms "
+                  f"per step, {host * 1e6:7.1f} us per layer")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(dict(load=os.getloadavg(), layers=args.layers, threads=args.threads, rows=rows), indent=1))
 

@@ -147,11 +147,11 @@ def test_config_from_transformers_object():
 
 
 def test_bfloat16_layer_close_to_float32_transformers(backend):
-    """The default dtype (bf16 weights, activations and cache) stays near transformers in fp32."""
+    """bf16 weights, activations and cache stay near transformers in fp32."""
     hf_cfg = hf_config("v3", q_lora=True, yarn="deepseek")
     hf = HFAttention(hf_cfg, 0)
     sd = randomize(hf, 0, seed=5)
-    layer = LatentAttention(MLAConfig.from_hf(hf_cfg), 0, backend=backend)
+    layer = LatentAttention(MLAConfig.from_hf(hf_cfg), 0, dtype=torch.bfloat16, backend=backend)
     layer.load_hf_state_dict(sd)
     cache = PagedLatentCache(1, 16, page_size=16, head_dim=48)  # bf16 cache
     g = torch.Generator().manual_seed(6)

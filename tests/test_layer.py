@@ -120,10 +120,16 @@ def test_parameter_names_match_hf_checkpoints(q_lora):
     assert layer.w_k.dtype == torch.float32
 
 
-def test_default_dtype_is_bfloat16_and_bad_layer_idx_rejected():
+def test_default_dtype_follows_torch_and_bad_layer_idx_rejected():
     layer = LatentAttention(tiny_config(), 2)
-    assert all(p.dtype == torch.bfloat16 for p in layer.parameters())
-    assert layer.w_uk.dtype == torch.bfloat16
+    assert all(p.dtype == torch.get_default_dtype() for p in layer.parameters())
+    assert layer.w_uk.dtype == torch.get_default_dtype()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert LatentAttention(tiny_config(), 0).w_uv.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
     with pytest.raises(ValueError, match="layer_idx"):
         LatentAttention(tiny_config(), -1)
     with pytest.raises(ValueError, match="max_position"):
@@ -165,7 +171,7 @@ def test_load_with_and_without_prefix(prefix):
 def test_load_casts_to_layer_dtype():
     cfg = tiny_config()
     sd = random_hf_weights(cfg)
-    layer = LatentAttention(cfg, 0)  # bfloat16
+    layer = LatentAttention(cfg, 0, dtype=torch.bfloat16)
     layer.load_hf_state_dict(sd)
     torch.testing.assert_close(layer.q_b_proj.weight, sd["q_b_proj.weight"].bfloat16(), rtol=0, atol=0)
     torch.testing.assert_close(layer.w_uv[0], sd["kv_b_proj.weight"][16:32].bfloat16(), rtol=0, atol=0)
@@ -431,7 +437,7 @@ def test_forward_rejects_bad_input():
         layer(torch.zeros(2, 47), batch)
     with pytest.raises(ValueError, match="hidden_states"):
         layer(torch.zeros(1, 2, 48), batch)
-    with pytest.raises(ValueError, match="kv_collection"):
+    with pytest.raises(ValueError, match="step"):
         layer(torch.zeros(2, 48), None)
     with pytest.raises(ValueError, match="scale"):
         layer(torch.zeros(2, 48), batch, scale=1.0)

@@ -6,6 +6,7 @@ a PyTorch backend (CPU default), a Triton backend (CUDA) and a float64 reference
 
 from .cache import CacheBatch, CacheFullError, PageAllocator, PagedLatentCache
 from .config import PRESETS, MLAConfig, YarnScaling, preset
+from .layer import LatentAttention
 from .masks import MaskKind, MaskVariant
 from .ops import (
     DECODE_MAX_Q_LEN,
@@ -32,5 +33,5 @@ __all__ = [
     "DECODE_MAX_Q_LEN", "MlaConfigV2", "flare_mla_decode", "flare_mla_prefill", "merge_states", "mla_prefill",
     "mla_prefill_decode_graph", "mla_prefill_plan", "mla_prefill_v2_ragged", "mla_write_cache",
     "apply_rope", "rope_freqs_cis",
-    "plan", "MLAPlan", "AttentionSpec", "SparseSpec",
+    "plan", "MLAPlan", "AttentionSpec", "SparseSpec", "LatentAttention",
 ]

@@ -3,7 +3,7 @@
 ``LatentAttention`` holds the projections of one checkpoint layer under the Hugging Face
 names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``,
 ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``) and runs attention over the paged latent cache
-through ``openmla.mla_prefill_decode_graph``. ``kv_b_proj.weight`` is split once into the
+through the step's plan (``openmla.plan``: made once per step, shared by every layer). ``kv_b_proj.weight`` is split once into the
 three layouts the op wants (``w_k``, ``w_uk``, ``w_uv``); any weight load re-splits it.
 
 Rotary layout: the rope dims are rotated as the checkpoint expects, interleaved pairs for
@@ -25,10 +25,10 @@ from torch import nn
 
 from .cache import CacheBatch
 from .config import MLAConfig
-from .ops import mla_prefill_decode_graph
+from .planning import MLAPlan, plan
 from .rope import rope_freqs_cis
 
-# Options the layer sets itself; passing them through **attn_kwargs would be ambiguous.
+# Options the layer sets itself; passing them through **plan_options would be ambiguous.
 _RESERVED_KWARGS = frozenset({"scale", "epsilon", "rope_interleaved", "return_lse"})
 # "...layers.{i}.self_attn.{name}" with any model prefix (model., language_model.model., ...).
 _LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
@@ -117,12 +117,16 @@ class LatentAttention(nn.Module):
         config: MLAConfig,
         layer_idx: int,
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         backend: str | None = None,
         max_position: int | None = None,
     ) -> None:
+        """``dtype`` (default ``torch.get_default_dtype()``, as for every ``nn.Module``) and
+        ``device`` of the weights; ``backend`` for plans the layer makes itself; ``max_position``
+        rows of the rope table to start with (it grows on demand outside ``torch.compile``)."""
         super().__init__()
+        dtype = dtype or torch.get_default_dtype()
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx: expected an int >= 0, got {layer_idx!r}")
         if max_position is not None and (not isinstance(max_position, int) or max_position < 1):
@@ -239,7 +243,7 @@ class LatentAttention(nn.Module):
         folder: str | os.PathLike,
         layer_idx: int,
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         backend: str | None = None,
         max_position: int | None = None,
@@ -259,12 +263,23 @@ class LatentAttention(nn.Module):
         return layer
 
     # Forward ---------------------------------------------------------------------------
-    def _freqs_for(self, batch: CacheBatch, device: torch.device) -> torch.Tensor:
-        """The shared rope table on ``device``, grown to cover every position of ``batch``."""
-        longest = max(batch.seq_lens_list, default=0)
+    def plan(self, batch: CacheBatch, **options: Any) -> MLAPlan:
+        """``openmla.plan(batch, scale=<this config's softmax scale>, backend=<the layer's>, **options)``:
+        one plan serves every layer of a model for one step."""
+        reserved = _RESERVED_KWARGS & set(options)
+        if reserved:
+            raise ValueError(f"options: {sorted(reserved)} are set by the layer (from its config)")
+        options.setdefault("backend", self.backend)
+        return plan(batch, scale=self.config.softmax_scale, **options)
+
+    def _freqs_for(self, step: MLAPlan, device: torch.device) -> torch.Tensor:
+        """The shared rope table on ``device``, grown to cover every position of the step (eagerly:
+        under ``torch.compile`` the table is used as it is, and a short one is an error)."""
         table = self.freqs_cis
-        if table.device != device or table.shape[0] < longest:
-            table = shared_freqs_cis(self.config, max(longest, table.shape[0]), device)
+        if torch.compiler.is_compiling():
+            return table
+        if table.device != device or table.shape[0] < step.max_position:
+            table = shared_freqs_cis(self.config, max(step.max_position, table.shape[0]), device)
             self.freqs_cis = table
         return table
 
@@ -276,34 +291,34 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         return q.view(hidden_states.shape[0], self.config.num_heads, self.config.qk_head_dim)
 
-    def forward(self, hidden_states: torch.Tensor, kv_collection: CacheBatch, **attn_kwargs: Any) -> torch.Tensor:
-        """``hidden_states [T, hidden]`` (ragged rows of ``kv_collection``) -> ``[T, hidden]``.
+    def forward(self, hidden_states: torch.Tensor, step: MLAPlan | CacheBatch, **plan_options: Any) -> torch.Tensor:
+        """``hidden_states [T, hidden]`` (the ragged rows of the step) -> ``[T, hidden]``.
 
-        Writes this layer's cache entries for the new tokens. ``attn_kwargs`` go to
-        ``mla_prefill_decode_graph`` (``mask``, ``window_size``, ``sparse_indices``, ``attn_sink``,
-        ``num_partitions``, ``buffer_size``, ``backend``, ...).
+        ``step`` is the step's ``MLAPlan`` (make it once per step with ``layer.plan(batch, ...)`` or
+        ``openmla.plan(batch, scale=config.softmax_scale, ...)`` and pass it to every layer), or a
+        ``CacheBatch`` for one-off use, which plans here with ``plan_options`` (``mask``,
+        ``window_size``, ``sparse_indices``, ``attn_sink``, ``num_partitions``, ``buffer_size``,
+        ``backend``, ...). Writes this layer's cache entries for the new tokens.
         """
         c = self.config
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != c.hidden_size:
             shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
             raise ValueError(f"hidden_states: expected shape (T, {c.hidden_size}), got {shape}")
-        if not isinstance(kv_collection, CacheBatch):
-            raise ValueError(f"kv_collection: expected a CacheBatch, got {type(kv_collection).__name__}")
-        rows = kv_collection.offsets_list[-1] if kv_collection.offsets_list else 0
-        if hidden_states.shape[0] != rows:
-            raise ValueError(f"hidden_states: {hidden_states.shape[0]} rows, kv_collection has {rows} new tokens")
-        reserved = _RESERVED_KWARGS & set(attn_kwargs)
-        if reserved:
-            raise ValueError(f"attn_kwargs: {sorted(reserved)} are set by the layer (from its config)")
-        attn_kwargs.setdefault("backend", self.backend)
+        if isinstance(step, CacheBatch):
+            step = self.plan(step, **plan_options)
+        elif not isinstance(step, MLAPlan):
+            raise ValueError(f"step: expected an MLAPlan or a CacheBatch, got {type(step).__name__}")
+        elif plan_options:
+            raise ValueError(f"plan_options: {sorted(plan_options)} belong to the plan (openmla.plan), not to a layer call")
+        elif step.spec.scale != c.softmax_scale:
+            raise ValueError(f"step: planned with scale {step.spec.scale}, this layer's config needs {c.softmax_scale}")
         T = hidden_states.shape[0]
+        if T != step.num_tokens:
+            raise ValueError(f"hidden_states: {T} rows, the step has {step.num_tokens} new tokens")
         q = self.project_q(hidden_states)
         kv = self.kv_a_proj_with_mqa(hidden_states)
-        out = mla_prefill_decode_graph(
-            q, kv, kv_collection.input_row_offsets, self._freqs_for(kv_collection, hidden_states.device),
-            self.kv_a_layernorm.weight, kv_collection, self.layer_idx, self.w_k, self.w_uk, self.w_uv,
-            scale=c.softmax_scale, epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, **attn_kwargs,
-        )  # [T, H, Dv]
+        out = step.run(q, kv, self._freqs_for(step, hidden_states.device), self.kv_a_layernorm.weight, self.layer_idx,
+                       self.w_k, self.w_uk, self.w_uv, epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave)
         return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim).to(self.o_proj.weight.dtype))
 
     def extra_repr(self) -> str:

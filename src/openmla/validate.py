@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .cache import CacheBatch
@@ -127,27 +128,30 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
     B = cl.shape[0]
     bt = check_tensor("kv_collection.block_table", b.block_table, shape=(B, None), dtypes=INDEX_DTYPES, device=dev)
     offs = check_tensor("kv_collection.input_row_offsets", b.input_row_offsets, shape=(B + 1,), dtypes=INDEX_DTYPES, device=dev)
-    # Private copies first, then every check reads the copies (one host transfer for the lengths).
+    # Private copies first, then every check reads the copies (one host transfer each).
     cl, offs, bt = (t.to(torch.int32, copy=True).contiguous() for t in (cl, offs, bt))
-    host = _host_ints("kv_collection", torch.cat([cl, offs]))
-    cache_lens, offsets = host[:B], host[B:]
-    if offsets[0] != 0:
-        raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {offsets[0]}")
-    if any(y < x for x, y in zip(offsets, offsets[1:])):
-        raise ValueError(f"kv_collection.input_row_offsets: must be non-decreasing, got {offsets}")
-    if any(c < 0 for c in cache_lens):
-        raise ValueError(f"kv_collection.cache_lengths: negative length in {cache_lens}")
+    lens = torch.cat([cl, offs]).cpu().numpy().astype(np.int64)
+    cache_np, offs_np = lens[:B], lens[B:]
+    if offs_np[0] != 0:
+        raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {int(offs_np[0])}")
+    if (np.diff(offs_np) < 0).any():
+        raise ValueError(f"kv_collection.input_row_offsets: must be non-decreasing, got {offs_np.tolist()}")
+    if (cache_np < 0).any():
+        raise ValueError(f"kv_collection.cache_lengths: negative length in {cache_np.tolist()}")
     ps = b.page_size
-    pages = [-(-(c + offsets[i + 1] - offsets[i]) // ps) for i, c in enumerate(cache_lens)]
-    if any(p > bt.shape[1] for p in pages):
-        i = next(i for i, p in enumerate(pages) if p > bt.shape[1])
-        raise ValueError(f"kv_collection.block_table: sequence {i} needs {pages[i]} pages, the table has {bt.shape[1]}")
-    if B and bt.shape[1]:
-        used = torch.arange(bt.shape[1], device=dev)[None, :] < torch.tensor(pages, device=dev)[:, None]
-        bad = used & ((bt < 0) | (bt >= b.num_pages))
-        if bool(bad.any()):
-            i = int(bad.any(dim=1).nonzero()[0])
+    pages = -(-(cache_np + np.diff(offs_np)) // ps)
+    width = bt.shape[1]
+    if B and int(pages.max()) > width:
+        i = int(np.argmax(pages > width))
+        raise ValueError(f"kv_collection.block_table: sequence {i} needs {int(pages[i])} pages, the table has {width}")
+    if B and width:
+        table = bt.cpu().numpy()
+        used = np.arange(width)[None, :] < pages[:, None]
+        bad = used & ((table < 0) | (table >= b.num_pages))
+        if bad.any():
+            i = int(np.argmax(bad.any(axis=1)))
             raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {b.num_pages})")
+    cache_lens, offsets = cache_np.tolist(), offs_np.tolist()
     snap = dataclasses.replace(b, block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host={})
     snap._host.update(cache=cache_lens, offsets=offsets)
     return snap

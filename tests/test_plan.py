@@ -1,0 +1,226 @@
+"""The plan/run contract: one plan per step, O(1) host work per layer, custom ops, torch.compile.
+
+- ``plan.run`` equals the seed-named ops (every backend, both forms, sparse, sinks);
+- the per-layer path reads no tensor value on the host (methods patched to raise);
+- metadata edited after planning cannot reach the kernels (the plan holds validated copies);
+- ``refill`` loads a new step in place (same tensors) and equals a fresh plan;
+- ``torch.library.opcheck`` passes for every ``openmla::`` op;
+- a two-layer stack compiles with ``fullgraph=True``, equals eager, and does not recompile when
+  only the metadata values change between steps of the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import openmla
+from openmla import LatentAttention, PagedLatentCache, combine
+from openmla import custom_ops
+from openmla.config import MLAConfig
+
+from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
+
+BACKENDS = ["torch", "reference"]
+
+
+def _run_both(case, backend, **opts):
+    """The fused op through a plan and through the seed-named op, on separate cache copies."""
+    a, b = case.clone_cache(), case.clone_cache()
+    step = openmla.plan(a.batch, scale=case.scale, backend=backend, **opts)
+    got = step.run(a.q, a.kv, a.freqs_cis, a.gamma, a.layer_idx, a.w_k, a.w_uk, a.w_uv, return_lse=True)
+    want = openmla.mla_prefill_decode_graph(*b.fused_args(), scale=case.scale, backend=backend, return_lse=True, **opts)
+    return got, want, (a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("new", [[1, 2, 1], [9, 1, 0]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("mask,kw", MASK_CASES[:3], ids=[m for m, _ in MASK_CASES[:3]])
+def test_run_equals_seed_op(backend, new, mask, kw):
+    case = make_case([5, 0, 17], new, page_size=4)
+    (out, lse), (w_out, w_lse), (a, b) = _run_both(case, backend, mask=mask, **kw)
+    assert_close(out, w_out, TOL[torch.float32], "out", case.seed)
+    assert_lse(lse, w_lse, TOL[torch.float32], case.seed)
+    assert torch.equal(a.batch.blocks, b.batch.blocks)
+
+
+def test_run_sparse_and_sink_against_reference():
+    case = make_case([20, 3], [1, 7], page_size=16)
+    T = case.q.shape[0]
+    g = torch.Generator().manual_seed(case.seed)
+    idx = torch.randint(0, 10, (T, 6), generator=g, dtype=torch.int32)  # sequence 1 holds 10 keys
+    idx[:, -1] = -1
+    sink = torch.randn(case.config.num_heads, generator=g)
+    opts = dict(sparse_indices=idx, physical_indices=False, attn_sink=sink, topk_lengths=torch.tensor([5, 6], dtype=torch.int32))
+    outs = []
+    for backend in ("torch", "reference"):
+        c = case.clone_cache()
+        step = openmla.plan(c.batch, scale=case.scale, backend=backend, **opts)
+        outs.append(step.run(c.q, c.kv, c.freqs_cis, c.gamma, c.layer_idx, c.w_k, c.w_uk, c.w_uv, return_lse=True))
+    assert_close(outs[0][0], outs[1][0], TOL[torch.float32], "sparse+sink out", case.seed)
+    assert_lse(outs[0][1], outs[1][1], TOL[torch.float32], case.seed)
+
+
+# No host reads in the per-layer path ------------------------------------------------------
+class _SpyBackend:
+    """Kernel stand-ins made of pure tensor ops (no host reads), recording what they were given."""
+
+    name = "torch"
+    cache_formats = ("native",)
+
+    def __init__(self):
+        self.calls = []
+
+    def write_cache(self, plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved):
+        self.calls.append(("write", layer_idx))
+        return q * 1
+
+    def decode(self, plan, layer_idx, q_abs, spec, kv_lora_rank):
+        self.calls.append(("decode", layer_idx))
+        T, H, _ = q_abs.shape
+        return q_abs[..., :kv_lora_rank] * 1, q_abs.new_zeros(T, H)
+
+    def prefill(self, plan, layer_idx, q_rot, w_k, w_uv, spec):
+        self.calls.append(("prefill", layer_idx))
+        T, H, _ = q_rot.shape
+        return q_rot.new_zeros(T, H, w_uv.shape[1]), q_rot.new_zeros(T, H)
+
+
+@pytest.mark.parametrize("new", [[1, 1, 1], [9, 1, 0]], ids=["decode", "mixed-prefill-decode"])
+def test_run_reads_no_tensor_values_on_the_host(monkeypatch, new):
+    case = make_case([5, 0, 17], new, page_size=4)
+    step = openmla.plan(case.batch, scale=case.scale)
+    spy = _SpyBackend()
+    step.backend = spy
+
+    def refuse(*_a, **_k):
+        raise AssertionError("host read of tensor data in the per-layer path")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for layer in range(2):
+        out = step.run(case.q, case.kv, case.freqs_cis, case.gamma, layer, case.w_k, case.w_uk, case.w_uv)
+        assert out.shape == (case.q.shape[0], case.config.num_heads, case.config.v_head_dim)
+    monkeypatch.undo()
+    form = "decode" if max(new) <= openmla.DECODE_MAX_Q_LEN else "prefill"
+    assert spy.calls == [("write", 0), (form, 0), ("write", 1), (form, 1)]
+
+
+def test_metadata_edited_after_planning_never_reaches_kernels():
+    case = make_case([6, 2], [1, 1], page_size=4)
+    a, b = case.clone_cache(), case.clone_cache()
+    want = openmla.mla_prefill_decode_graph(*b.fused_args(), scale=case.scale, backend="torch")
+    step = openmla.plan(a.batch, scale=case.scale, backend="torch")
+    a.batch.cache_lengths.fill_(1000)  # edited in place after validation
+    a.batch.block_table.fill_(10**6)
+    got = step.run(a.q, a.kv, a.freqs_cis, a.gamma, a.layer_idx, a.w_k, a.w_uk, a.w_uv)
+    assert_close(got, want, 0.0, "out", case.seed)
+    with pytest.raises(ValueError, match="kv_collection.block_table"):  # a new plan validates the edit
+        openmla.plan(a.batch, scale=case.scale)
+
+
+def test_per_layer_checks_name_the_argument_and_write_nothing():
+    case = make_case([3], [2], page_size=4)
+    step = openmla.plan(case.batch, scale=case.scale)
+    before = case.batch.blocks.clone()
+    bad = {
+        "q": case.q[:1], "kv": case.kv[:, :-2], "kv_norm_gamma": case.gamma[None], "w_uk": case.w_uk[:1],
+        "w_uv": case.w_uv.transpose(1, 2), "w_k": case.w_k[:-1], "layer_idx": 7, "freqs_cis": case.freqs_cis[:2],
+    }
+    args = dict(q=case.q, kv=case.kv, freqs_cis=case.freqs_cis, kv_norm_gamma=case.gamma, layer_idx=case.layer_idx,
+                w_k=case.w_k, w_uk=case.w_uk, w_uv=case.w_uv)
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            step.run(**{**args, name: value})
+        assert torch.equal(case.batch.blocks, before), name
+
+
+def test_refill_equals_a_fresh_plan():
+    case = make_case([9, 30], [1, 1], page_size=8, spare_pages=6)
+    width = case.batch.block_table.shape[1] + 2
+    step = openmla.plan(case.batch, scale=case.scale, num_partitions=2, max_pages=width)
+    tensors = [step.batch.block_table, step.batch.cache_lengths, step.batch.input_row_offsets, step.write_rows]
+    ptrs = [t.data_ptr() for t in tensors]
+    for _ in range(3):  # decode steps: commit, prepare the next, refill in place
+        step.run(case.q, case.kv, case.freqs_cis, case.gamma, 0, case.w_k, case.w_uk, case.w_uv)
+        case.cache.commit(case.batch)
+        case = dataclasses.replace(case, batch=case.cache.prepare(["s0", "s1"], [1, 1]))
+        step.refill(case.batch)
+        assert [t.data_ptr() for t in tensors] == ptrs
+        fresh = openmla.plan(case.batch, scale=case.scale, num_partitions=2)
+        a = step.decode(combine.absorb(case.q, case.w_uk)[:, :, :], 0, kv_lora_rank=case.config.kv_lora_rank, return_lse=True)
+        b = fresh.decode(combine.absorb(case.q, case.w_uk), 0, kv_lora_rank=case.config.kv_lora_rank, return_lse=True)
+        assert_close(a[0], b[0], 0.0, "refilled out", case.seed)
+        assert torch.equal(step.write_rows, fresh.write_rows)
+    with pytest.raises(ValueError, match="batch"):
+        step.refill(case.cache.prepare(["s0"], [1]))
+
+
+# Custom ops ------------------------------------------------------------------------------
+def _op_cases(backend: str):
+    case = make_case([7, 0], [1, 3], page_size=4)
+    step = openmla.plan(case.batch, scale=case.scale, backend=backend)
+    q_rot = step.write_cache(case.q, case.kv, case.freqs_cis, case.gamma, 0)
+    q_abs = combine.absorb(q_rot, case.w_uk)
+    cache_args = custom_ops._cache_args(step)
+    spec_args = custom_ops._spec_args(step.spec)
+    L = case.config.kv_lora_rank
+    return step, {
+        "write_cache": (case.q, case.kv, case.freqs_cis, case.gamma, 0, 1e-6, True, *cache_args),
+        "decode": (q_abs, 0, L, 0, *spec_args, *cache_args),
+        "prefill": (q_rot, case.w_k, case.w_uv, 0, 0, *spec_args, *cache_args),
+    }
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("op", ["write_cache", "decode", "prefill"])
+def test_opcheck(op, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    step, args = _op_cases(backend)  # noqa: F841  (the plan stays alive: the ops find it)
+    torch.library.opcheck(getattr(torch.ops.openmla, op).default, args[op])
+
+
+# torch.compile -----------------------------------------------------------------------------
+class _Stack(nn.Module):
+    def __init__(self, config: MLAConfig, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(LatentAttention(config, i, dtype=torch.float32, max_position=64) for i in range(layers))
+
+    def forward(self, x: torch.Tensor, step: openmla.MLAPlan) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x, step)
+        return x
+
+
+def test_compiled_stack_equals_eager_without_recompiles():
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(small_config(num_heads=2), hidden_size=32)
+    model = _Stack(cfg, 2).eval()
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.2)
+    for layer in model.layers:
+        layer.split_kv_b()
+    compiled = torch.compile(model, fullgraph=True)
+    caches = [PagedLatentCache(2, 16, page_size=4, head_dim=cfg.cache_head_dim, dtype=torch.float32) for _ in range(2)]
+    ids = ["a", "b", "c"]
+    steps = [[7, 3, 9]] + [[1, 1, 1]] * 4  # a prefill step, then decode steps (same shapes)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for i, new in enumerate(steps):
+            x = torch.randn(sum(new), cfg.hidden_size)
+            outs = []
+            for cache, fn in zip(caches, (model, compiled)):
+                batch = cache.prepare(ids, new)
+                step = openmla.plan(batch, scale=cfg.softmax_scale, max_pages=6)
+                if i >= 2 and fn is compiled:  # the decode graph exists: new metadata must not recompile
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        outs.append(fn(x, step))
+                else:
+                    outs.append(fn(x, step))
+                cache.commit(batch)
+            assert_close(outs[1], outs[0], 1e-5, f"step {i} compiled vs eager", 0)
+    assert torch.allclose(caches[0].blocks, caches[1].blocks, atol=1e-6)
