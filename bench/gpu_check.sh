@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-shot GPU check of openmla (about 5-8 minutes on an H200):
 #   1. the whole test suite on the GPU (the triton tests run compiled on CUDA tensors),
-#   2. bench/gpu_bench.py: decode (bf16, fp8_ds_mla and fp8_e4m3 caches) / prefill / cache-write timings against this GPU's
+#   2. bench/gpu_graph.py: a decode step over all layers captured in one CUDA graph from a plan with fixed
+#      capacities, replayed after plan.refill for several steps, compared with eager runs,
+#   3. bench/gpu_bench.py: decode (bf16, fp8_ds_mla and fp8_e4m3 caches) / prefill / cache-write timings against this GPU's
 #      measured copy bandwidth and bf16 matmul rate, plus a small tile sweep.
 # Usage: bench/gpu_check.sh            (from anywhere; results in $OUT, else bench/out)
 # Env:   PYTHON=...  the interpreter to use (default: the first with CUDA torch among
@@ -39,6 +41,12 @@ timeout -k 10 "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests -q -p no:cacheprovide
   --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 echo "tests exit status: $rc" | tee -a "$OUT_DIR/gpu_check.log"
+[ "$rc" -eq 0 ] || status=1
+
+echo "== CUDA graph of a decode step over all layers (limit 120 s)" | tee -a "$OUT_DIR/gpu_check.log"
+timeout -k 10 120 "$PY" bench/gpu_graph.py 2>&1 | tee "$OUT_DIR/gpu_graph.log"
+rc=${PIPESTATUS[0]}
+echo "cuda graph exit status: $rc" | tee -a "$OUT_DIR/gpu_check.log"
 [ "$rc" -eq 0 ] || status=1
 
 echo "== benchmark (limit ${BENCH_TIMEOUT:-240} s)" | tee -a "$OUT_DIR/gpu_check.log"

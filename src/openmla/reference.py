@@ -1,4 +1,4 @@
-"""The float64 oracle: slow, per sequence and per query token, written from the math of SPEC.md.
+"""The float64 oracle: slow, per sequence and per query token, written from the math (docs/api.md).
 
 Nothing here calls a fast path. Every function returns float64 tensors; the
 ``reference`` backend (bottom of this file) casts them to the caller's dtype.
