@@ -170,18 +170,19 @@ def _op_cases(backend: str):
     L = case.config.kv_lora_rank
     return step, {
         "write_cache": (case.q, case.kv, case.freqs_cis, case.gamma, 0, 1e-6, True, *cache_args),
-        "decode": (q_abs, 0, L, 0, *spec_args, *cache_args),
-        "prefill": (q_rot, case.w_k, case.w_uv, 0, 0, *spec_args, *cache_args),
+        "decode": (q_abs, None, None, "decode", 0, L, 0, 0, *spec_args, *cache_args),
+        "prefill": (q_rot, case.w_k, case.w_uv, "prefill", 0, 0, 0, 0, *spec_args, *cache_args),
     }
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("op", ["write_cache", "decode", "prefill"])
-def test_opcheck(op, backend):
+@pytest.mark.parametrize("case", ["write_cache", "decode", "prefill"])
+def test_opcheck(case, backend):
     if backend == "triton":
         pytest.importorskip("triton")
     step, args = _op_cases(backend)  # noqa: F841  (the plan stays alive: the ops find it)
-    torch.library.opcheck(getattr(torch.ops.openmla, op).default, args[op])
+    op = torch.ops.openmla.write_cache if case == "write_cache" else torch.ops.openmla.attention
+    torch.library.opcheck(op.default, args[case])
 
 
 # torch.compile -----------------------------------------------------------------------------

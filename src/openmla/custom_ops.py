@@ -11,8 +11,8 @@ tensors.
 | op | mutates | returns |
 |---|---|---|
 | ``openmla::write_cache`` | ``blocks`` (the cache) | q with its rope part rotated |
-| ``openmla::decode`` | - | ``(out [T, H, L], lse [T, H])`` |
-| ``openmla::prefill`` | - | ``(out [T, H, Dv], lse [T, H])`` |
+| ``openmla::attention`` (``form="decode"``) | - | ``(out [T, H, L], lse [T, H])`` from absorbed q |
+| ``openmla::attention`` (``form="prefill"``) | - | ``(out [T, H, Dv], lse [T, H])`` from roped q, ``w_k``, ``w_uv`` |
 
 Inference only: no autograd formulas are registered.
 """
@@ -72,11 +72,6 @@ def _result_dtypes(backend: str, dtype: torch.dtype) -> tuple[torch.dtype, torch
     return dtype, torch.float32
 
 
-def _results(out: Tensor, lse: Tensor, backend: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    out_dtype, lse_dtype = _result_dtypes(backend, dtype)
-    return out.to(out_dtype).contiguous(), lse.to(lse_dtype).contiguous()
-
-
 # openmla::write_cache --------------------------------------------------------------------
 @torch.library.custom_op("openmla::write_cache", mutates_args=("blocks",))
 def _write_cache_op(q: Tensor, kv: Tensor, freqs_cis: Tensor, kv_norm_gamma: Tensor, layer_idx: int, epsilon: float,
@@ -98,57 +93,40 @@ def write_cache(p: MLAPlan, q, kv, freqs_cis, kv_norm_gamma, layer_idx: int, eps
     return torch.ops.openmla.write_cache(q, kv, freqs_cis, kv_norm_gamma, layer_idx, epsilon, interleaved, *_cache_args(p))
 
 
-# openmla::decode -------------------------------------------------------------------------
-@torch.library.custom_op("openmla::decode", mutates_args=())
-def _decode_op(q_abs: Tensor, layer_idx: int, kv_lora_rank: int, num_partitions: int,
-               scale: float, mask: str, window_size: int, chunk_size: int, sparse_indices: Optional[Tensor],
-               topk_lengths: Optional[Tensor], physical_indices: bool, attn_sink: Optional[Tensor],
-               blocks: Tensor, block_table: Tensor, cache_lengths: Tensor, input_row_offsets: Tensor,
-               kv_scale: Optional[Tensor], page_size: int, cache_format: str, rope_dim: int,
-               backend: str) -> tuple[Tensor, Tensor]:
+# openmla::attention (both forms) ---------------------------------------------------------
+@torch.library.custom_op("openmla::attention", mutates_args=())
+def _attention_op(q: Tensor, w_k: Optional[Tensor], w_uv: Optional[Tensor], form: str, layer_idx: int, kv_lora_rank: int,
+                  num_partitions: int, buffer_size: int, scale: float, mask: str, window_size: int, chunk_size: int,
+                  sparse_indices: Optional[Tensor], topk_lengths: Optional[Tensor], physical_indices: bool,
+                  attn_sink: Optional[Tensor], blocks: Tensor, block_table: Tensor, cache_lengths: Tensor,
+                  input_row_offsets: Tensor, kv_scale: Optional[Tensor], page_size: int, cache_format: str, rope_dim: int,
+                  backend: str) -> tuple[Tensor, Tensor]:
     p = _plan_of(blocks, block_table, cache_lengths, input_row_offsets, kv_scale, page_size, cache_format, rope_dim, backend,
-                 num_partitions=num_partitions)
+                 num_partitions=num_partitions, buffer_size=buffer_size)
     spec = _spec_of(scale, mask, window_size, chunk_size, sparse_indices, topk_lengths, physical_indices, attn_sink)
-    out, lse = p.backend.decode(p, layer_idx, q_abs, spec, kv_lora_rank)
-    return _results(out, lse, backend, q_abs.dtype)
+    if form == "decode":
+        out, lse = p.backend.decode(p, layer_idx, q, spec, kv_lora_rank)
+    else:
+        out, lse = p.backend.prefill(p, layer_idx, q, w_k, w_uv, spec)
+    out_dtype, lse_dtype = _result_dtypes(backend, q.dtype)
+    return out.to(out_dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
 
-@_decode_op.register_fake
-def _(q_abs, layer_idx, kv_lora_rank, num_partitions, scale, mask, window_size, chunk_size, sparse_indices, topk_lengths,
-      physical_indices, attn_sink, blocks, block_table, cache_lengths, input_row_offsets, kv_scale, page_size, cache_format,
-      rope_dim, backend):
-    T, H, _ = q_abs.shape
-    out_dtype, lse_dtype = _result_dtypes(backend, q_abs.dtype)
-    return q_abs.new_empty((T, H, kv_lora_rank), dtype=out_dtype), q_abs.new_empty((T, H), dtype=lse_dtype)
+@_attention_op.register_fake
+def _(q, w_k, w_uv, form, layer_idx, kv_lora_rank, num_partitions, buffer_size, scale, mask, window_size, chunk_size,
+      sparse_indices, topk_lengths, physical_indices, attn_sink, blocks, block_table, cache_lengths, input_row_offsets,
+      kv_scale, page_size, cache_format, rope_dim, backend):
+    T, H, _ = q.shape
+    out_dtype, lse_dtype = _result_dtypes(backend, q.dtype)
+    width = kv_lora_rank if form == "decode" else w_uv.shape[1]
+    return q.new_empty((T, H, width), dtype=out_dtype), q.new_empty((T, H), dtype=lse_dtype)
 
 
 def decode(p: MLAPlan, q_abs: Tensor, layer_idx: int, spec: AttentionSpec, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    return torch.ops.openmla.decode(q_abs, layer_idx, kv_lora_rank, p.num_partitions or 0, *_spec_args(spec), *_cache_args(p))
-
-
-# openmla::prefill ------------------------------------------------------------------------
-@torch.library.custom_op("openmla::prefill", mutates_args=())
-def _prefill_op(q_rot: Tensor, w_k: Tensor, w_uv: Tensor, layer_idx: int, buffer_size: int,
-                scale: float, mask: str, window_size: int, chunk_size: int, sparse_indices: Optional[Tensor],
-                topk_lengths: Optional[Tensor], physical_indices: bool, attn_sink: Optional[Tensor],
-                blocks: Tensor, block_table: Tensor, cache_lengths: Tensor, input_row_offsets: Tensor,
-                kv_scale: Optional[Tensor], page_size: int, cache_format: str, rope_dim: int,
-                backend: str) -> tuple[Tensor, Tensor]:
-    p = _plan_of(blocks, block_table, cache_lengths, input_row_offsets, kv_scale, page_size, cache_format, rope_dim, backend,
-                 buffer_size=buffer_size)
-    spec = _spec_of(scale, mask, window_size, chunk_size, sparse_indices, topk_lengths, physical_indices, attn_sink)
-    out, lse = p.backend.prefill(p, layer_idx, q_rot, w_k, w_uv, spec)
-    return _results(out, lse, backend, q_rot.dtype)
-
-
-@_prefill_op.register_fake
-def _(q_rot, w_k, w_uv, layer_idx, buffer_size, scale, mask, window_size, chunk_size, sparse_indices, topk_lengths,
-      physical_indices, attn_sink, blocks, block_table, cache_lengths, input_row_offsets, kv_scale, page_size, cache_format,
-      rope_dim, backend):
-    T, H, _ = q_rot.shape
-    out_dtype, lse_dtype = _result_dtypes(backend, q_rot.dtype)
-    return q_rot.new_empty((T, H, w_uv.shape[1]), dtype=out_dtype), q_rot.new_empty((T, H), dtype=lse_dtype)
+    return torch.ops.openmla.attention(q_abs, None, None, "decode", layer_idx, kv_lora_rank, p.num_partitions or 0, 0,
+                                       *_spec_args(spec), *_cache_args(p))
 
 
 def prefill(p: MLAPlan, q_rot: Tensor, layer_idx: int, w_k: Tensor, w_uv: Tensor, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
-    return torch.ops.openmla.prefill(q_rot, w_k, w_uv, layer_idx, p.buffer_size or 0, *_spec_args(spec), *_cache_args(p))
+    return torch.ops.openmla.attention(q_rot, w_k, w_uv, "prefill", layer_idx, 0, 0, p.buffer_size or 0, *_spec_args(spec),
+                                       *_cache_args(p))

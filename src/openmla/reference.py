@@ -7,11 +7,13 @@ Nothing here calls a fast path. Every function returns float64 tensors; the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from .cache import CacheBatch
 from .masks import MaskVariant
+from .spec import AttentionSpec
 
 F64 = torch.float64
 
@@ -29,29 +31,21 @@ def cache_rows(batch: CacheBatch, layer_idx: int, rows: torch.Tensor) -> torch.T
     return batch.read_rows(layer_idx, rows, F64).cpu()
 
 
-def _query_keys(
-    batch: CacheBatch,
-    b: int,
-    q_pos: int,
-    row: int,
-    mask: MaskVariant,
-    sparse_indices: torch.Tensor | None,
-    topk_lengths: torch.Tensor | None,
-    physical_indices: bool,
-) -> torch.Tensor:
+def _query_keys(batch: CacheBatch, b: int, q_pos: int, row: int, spec: AttentionSpec) -> torch.Tensor:
     """Physical cache rows of the keys one query attends to (a repeated sparse entry counts twice)."""
     seq_len = batch.seq_lens_list[b]
-    if sparse_indices is None:
+    sparse = spec.sparse
+    if sparse is None:
         pos = torch.arange(seq_len)
     else:
-        entries = sparse_indices[row].long().cpu()
-        if topk_lengths is not None:
-            entries = entries[: int(topk_lengths[b])]
+        entries = sparse.indices[row].long().cpu()
+        if sparse.topk_lengths is not None:
+            entries = entries[: int(sparse.topk_lengths[b])]
         entries = entries[entries >= 0]
-        if physical_indices:
+        if sparse.physical:
             return entries  # physical rows: no positions, so the mask does not apply
         pos = entries
-    pos = pos[mask.visible(torch.tensor(q_pos), pos)]
+    pos = pos[spec.mask.visible(torch.tensor(q_pos), pos)]
     return physical_rows(batch, b, pos)
 
 
@@ -96,54 +90,34 @@ def _query_positions(batch: CacheBatch) -> list[tuple[int, int, int]]:
 
 
 # The two forms ---------------------------------------------------------------------
-def decode(
-    q_abs: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    *,
-    scale: float,
-    kv_lora_rank: int,
-    mask: MaskVariant = MaskVariant(),
-    sparse_indices: torch.Tensor | None = None,
-    topk_lengths: torch.Tensor | None = None,
-    physical_indices: bool = True,
-    attn_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(q_abs: torch.Tensor, batch: CacheBatch, layer_idx: int, spec: AttentionSpec | None = None, *, kv_lora_rank: int,
+           **spec_kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode (absorbed, MQA) form: ``q_abs [T, H, L+R]`` against raw cache rows.
 
-    Returns ``out_lat [T, H, L]`` and ``lse [T, H]`` (float64).
+    ``spec``, or its fields as keywords (``scale``, ``mask``, ``sparse_indices``, ...; see
+    ``AttentionSpec.build``). Returns ``out_lat [T, H, L]`` and ``lse [T, H]`` (float64).
     """
+    spec = spec or AttentionSpec.build(**spec_kw)
     T, H, _ = q_abs.shape
     q = q_abs.cpu().to(F64)
     out = torch.zeros(T, H, kv_lora_rank, dtype=F64)
     lse = torch.full((T, H), -math.inf, dtype=F64)
     for row, b, pos in _query_positions(batch):
-        rows = _query_keys(batch, b, pos, row, mask, sparse_indices, topk_lengths, physical_indices)
+        rows = _query_keys(batch, b, pos, row, spec)
         keys = cache_rows(batch, layer_idx, rows)  # [n, L+R]
-        scores = scale * (q[row] @ keys.T)  # [H, n]
-        out[row], lse[row] = softmax_combine(scores, keys[:, :kv_lora_rank], _sink_of(attn_sink, b))
+        scores = spec.scale * (q[row] @ keys.T)  # [H, n]
+        out[row], lse[row] = softmax_combine(scores, keys[:, :kv_lora_rank], _sink_of(spec.attn_sink, b))
     return out, lse
 
 
-def prefill(
-    q: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    w_k: torch.Tensor,
-    w_uv: torch.Tensor,
-    *,
-    scale: float,
-    mask: MaskVariant = MaskVariant(),
-    sparse_indices: torch.Tensor | None = None,
-    topk_lengths: torch.Tensor | None = None,
-    physical_indices: bool = True,
-    attn_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill(q: torch.Tensor, batch: CacheBatch, layer_idx: int, w_k: torch.Tensor, w_uv: torch.Tensor,
+            spec: AttentionSpec | None = None, **spec_kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill (up-projected, MHA) form: ``q [T, H, Dn+R]`` (rope part already rotated).
 
-    ``K_nope[s,h] = W_UK[h] latent[s]``, ``V[s,h] = W_UV[h] latent[s]``. Returns ``out [T, H, Dv]``
-    and ``lse [T, H]`` (float64).
+    ``K_nope[s,h] = W_UK[h] latent[s]``, ``V[s,h] = W_UV[h] latent[s]``. ``spec`` or its fields as
+    keywords. Returns ``out [T, H, Dv]`` and ``lse [T, H]`` (float64).
     """
+    spec = spec or AttentionSpec.build(**spec_kw)
     T, H, _ = q.shape
     Dv, L = w_uv.shape[1], w_uv.shape[2]
     Dn = w_k.shape[0] // H
@@ -153,28 +127,19 @@ def prefill(
     out = torch.zeros(T, H, Dv, dtype=F64)
     lse = torch.full((T, H), -math.inf, dtype=F64)
     for row, b, pos in _query_positions(batch):
-        rows = _query_keys(batch, b, pos, row, mask, sparse_indices, topk_lengths, physical_indices)
+        rows = _query_keys(batch, b, pos, row, spec)
         entries = cache_rows(batch, layer_idx, rows)
         latent, k_rope = entries[:, :L], entries[:, L:]
         k_nope = torch.einsum("hdl,nl->hnd", W_UK, latent)  # [H, n, Dn]
         v = torch.einsum("hdl,nl->hnd", W_UV, latent)  # [H, n, Dv]
-        scores = scale * (torch.einsum("hd,hnd->hn", qf[row, :, :Dn], k_nope) + qf[row, :, Dn:] @ k_rope.T)
-        out[row], lse[row] = softmax_combine(scores, v, _sink_of(attn_sink, b))
+        scores = spec.scale * (torch.einsum("hd,hnd->hn", qf[row, :, :Dn], k_nope) + qf[row, :, Dn:] @ k_rope.T)
+        out[row], lse[row] = softmax_combine(scores, v, _sink_of(spec.attn_sink, b))
     return out, lse
 
 
-def flare_mla_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    buffer_row_offsets: torch.Tensor,
-    cache_offsets: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    *,
-    scale: float,
-    mask: MaskVariant = MaskVariant(),
-) -> tuple[torch.Tensor, torch.Tensor]:
+def flare_mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_row_offsets: torch.Tensor,
+                      cache_offsets: torch.Tensor, batch: CacheBatch, layer_idx: int, *, scale: float,
+                      mask: MaskVariant = MaskVariant()) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of prefill with given up-projected keys: ``k [S, H, Dn]``, ``v [S, H, Dv]``.
 
     Rows ``buffer_row_offsets[b]:[b+1]`` of k/v are the keys of sequence ``b`` at positions
@@ -226,15 +191,8 @@ def token_positions(batch: CacheBatch) -> torch.Tensor:
     return torch.tensor([pos for _, _, pos in _query_positions(batch)], dtype=torch.int64)
 
 
-def write_cache(
-    kv: torch.Tensor,
-    freqs_cis: torch.Tensor,
-    kv_norm_gamma: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    epsilon: float,
-    interleaved: bool = True,
-) -> None:
+def write_cache(kv: torch.Tensor, freqs_cis: torch.Tensor, kv_norm_gamma: torch.Tensor, batch: CacheBatch, layer_idx: int,
+                epsilon: float, interleaved: bool = True) -> None:
     """RMSNorm the latent, rotate the key rope part, store both at each token's position."""
     L = kv_norm_gamma.shape[0]
     pos = token_positions(batch)
@@ -245,35 +203,18 @@ def write_cache(
 
 
 def mla_prefill_decode_graph(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    freqs_cis: torch.Tensor,
-    kv_norm_gamma: torch.Tensor,
-    batch: CacheBatch,
-    layer_idx: int,
-    w_k: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    *,
-    scale: float,
-    epsilon: float = 1e-6,
-    mask: MaskVariant = MaskVariant(),
-    sparse_indices: torch.Tensor | None = None,
-    topk_lengths: torch.Tensor | None = None,
-    physical_indices: bool = True,
-    attn_sink: torch.Tensor | None = None,
-    interleaved: bool = True,
-    use_decode_form: bool = False,
+    q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, kv_norm_gamma: torch.Tensor, batch: CacheBatch, layer_idx: int,
+    w_k: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, spec: AttentionSpec | None = None, *, epsilon: float = 1e-6,
+    interleaved: bool = True, use_decode_form: bool = False, **spec_kw: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused op in float64: write the cache, rotate q, then either form. ``out [T,H,Dv]``, ``lse``."""
+    spec = spec or AttentionSpec.build(**spec_kw)
     write_cache(kv, freqs_cis, kv_norm_gamma, batch, layer_idx, epsilon, interleaved)
     H, L, Dn = w_uk.shape
     qf = q.cpu().to(F64)
     q_rot = torch.cat([qf[..., :Dn], rope(qf[..., Dn:], freqs_cis, token_positions(batch), interleaved)], dim=-1)
-    common = dict(scale=scale, mask=mask, sparse_indices=sparse_indices, topk_lengths=topk_lengths,
-                  physical_indices=physical_indices, attn_sink=attn_sink)
     if use_decode_form:
         q_lat = torch.einsum("thd,hld->thl", q_rot[..., :Dn], w_uk.cpu().to(F64))
-        out_lat, lse = decode(torch.cat([q_lat, q_rot[..., Dn:]], dim=-1), batch, layer_idx, kv_lora_rank=L, **common)
+        out_lat, lse = decode(torch.cat([q_lat, q_rot[..., Dn:]], dim=-1), batch, layer_idx, spec, kv_lora_rank=L)
         return torch.einsum("thl,hvl->thv", out_lat, w_uv.cpu().to(F64)), lse
-    return prefill(q_rot, batch, layer_idx, w_k, w_uv, **common)
+    return prefill(q_rot, batch, layer_idx, w_k, w_uv, spec)

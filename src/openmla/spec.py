@@ -46,6 +46,15 @@ class AttentionSpec:
     sparse: SparseSpec | None = None
     attn_sink: torch.Tensor | None = None
 
+    @classmethod
+    def build(cls, scale: float, mask: MaskVariant | str = "causal", sparse_indices: torch.Tensor | None = None,
+              topk_lengths: torch.Tensor | None = None, physical_indices: bool = True,
+              attn_sink: torch.Tensor | None = None) -> "AttentionSpec":
+        """A spec from the loose keywords (unvalidated: for the oracle and tests; ``openmla.plan``
+        builds validated ones)."""
+        sparse = None if sparse_indices is None else SparseSpec(sparse_indices, topk_lengths, physical_indices)
+        return cls(float(scale), MaskVariant.parse(mask), sparse, attn_sink)
+
     def without_sparse(self) -> "AttentionSpec":
         return dataclasses.replace(self, sparse=None)
 

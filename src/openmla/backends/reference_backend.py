@@ -16,13 +16,6 @@ name = "reference"
 cache_formats = ("native", "fp8_e4m3", "fp8_ds_mla")
 
 
-def _sparse_kwargs(spec) -> dict:
-    s = spec.sparse
-    if s is None:
-        return dict(sparse_indices=None, topk_lengths=None, physical_indices=True)
-    return dict(sparse_indices=s.indices, topk_lengths=s.topk_lengths, physical_indices=s.physical)
-
-
 def write_cache(plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved):
     batch = plan.batch
     ref.write_cache(kv, freqs_cis, kv_norm_gamma, batch, layer_idx, epsilon, interleaved)
@@ -44,13 +37,11 @@ def unabsorb(out_lat, w_uv):
 
 
 def decode(plan, layer_idx, q_abs, spec, kv_lora_rank):
-    return ref.decode(q_abs, plan.batch, layer_idx, scale=spec.scale, kv_lora_rank=kv_lora_rank, mask=spec.mask,
-                      attn_sink=spec.attn_sink, **_sparse_kwargs(spec))
+    return ref.decode(q_abs, plan.batch, layer_idx, spec, kv_lora_rank=kv_lora_rank)
 
 
 def prefill(plan, layer_idx, q_rot, w_k, w_uv, spec):
-    return ref.prefill(q_rot, plan.batch, layer_idx, w_k, w_uv, scale=spec.scale, mask=spec.mask, attn_sink=spec.attn_sink,
-                       **_sparse_kwargs(spec))
+    return ref.prefill(q_rot, plan.batch, layer_idx, w_k, w_uv, spec)
 
 
 def flare_mla_prefill(plan, layer_idx, q, k, v, chunk, spec, tile=None):
