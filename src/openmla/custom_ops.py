@@ -53,12 +53,16 @@ def _spec_of(scale: float, mask: str, window_size: int, chunk_size: int, sparse_
     return AttentionSpec(scale, variant, sparse, attn_sink)
 
 
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
+
+
 def _plan_of(blocks: Tensor, block_table: Tensor, cache_lengths: Tensor, input_row_offsets: Tensor,
              kv_scale: Optional[Tensor], page_size: int, cache_format: str, rope_dim: int, backend: str,
              num_partitions: int = 0, buffer_size: int = 0) -> MLAPlan:
     """The live plan owning these metadata tensors, or a fresh plan made from them."""
     live = MLAPlan.find(input_row_offsets)
-    if live is not None and live.batch.block_table is block_table and live.batch.cache_lengths is cache_lengths:
+    if live is not None and _same_storage(live.batch.block_table, block_table) and _same_storage(live.batch.cache_lengths, cache_lengths):
         return live
     batch = CacheBatch(blocks, block_table, cache_lengths, input_row_offsets, page_size, cache_format=cache_format,
                        kv_scale=kv_scale, rope_dim=rope_dim or None)

@@ -289,7 +289,8 @@ class MLAPlan:
         """The live plan that owns ``input_row_offsets`` (the custom ops' way back to host state)."""
         ref = _LIVE.get(input_row_offsets.data_ptr())
         plan = ref() if ref is not None else None
-        if plan is None or plan.batch.input_row_offsets is not input_row_offsets and not _same(plan, input_row_offsets):
+        mine = None if plan is None else plan.batch.input_row_offsets
+        if mine is None or (mine.shape, mine.dtype) != (input_row_offsets.shape, input_row_offsets.dtype):
             return None
         return plan
 
@@ -483,11 +484,6 @@ class MLAPlan:
 
     def _unabsorb(self, out_lat, w_uv):
         return getattr(self.backend, "unabsorb", combine.unabsorb)(out_lat, w_uv)
-
-
-def _same(plan: MLAPlan, input_row_offsets: torch.Tensor) -> bool:
-    t = plan.batch.input_row_offsets
-    return t.data_ptr() == input_row_offsets.data_ptr() and t.shape == input_row_offsets.shape and t.dtype == input_row_offsets.dtype
 
 
 def write_impl(plan: MLAPlan, q, kv, freqs_cis, gamma, layer_idx: int, epsilon: float, interleaved: bool) -> torch.Tensor:
