@@ -111,8 +111,15 @@ class CacheBatch:
       page ``j`` of sequence ``b``. Entries past a sequence's last page are 0 and never read.
     - ``cache_lengths``: int32 ``[B]``, tokens already cached before this call.
     - ``input_row_offsets``: int32 ``[B+1]``, rows of the ragged query batch per sequence.
-    - ``cache_format``: ``native`` (entries in ``blocks.dtype``), ``fp8_e4m3`` (float8 entries times
-      ``kv_scale[layer]``) or ``fp8_ds_mla`` (uint8 token records, see ``openmla.fp8``).
+    - ``cache_format``: ``native`` (entries in ``blocks.dtype``: bfloat16, float16, float32 or
+      float64), ``fp8_e4m3`` (float8 entries times ``kv_scale[layer]``) or ``fp8_ds_mla`` (uint8
+      token records, see ``openmla.fp8``).
+    - ``ticket``: what ``PagedLatentCache.prepare`` reserved (``commit`` reads it); None for a
+      batch built by hand, which no cache commits.
+
+    Index tensors may be int32, int64 or uint32, in any layout, all on the blocks' device. The
+    constructor checks every field's type, dtype, rank, device and size (``ValueError`` naming
+    ``kv_collection.<field>``); values are checked by the ops that read them.
     """
 
     blocks: torch.Tensor
@@ -128,8 +135,7 @@ class CacheBatch:
     _host: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        """Field types, dtypes, ranks, devices and sizes (no device read): ``ValueError`` naming
-        ``kv_collection.<field>``. Values (lengths, page ids) are checked by the ops."""
+        """Field checks (host facts only: no device read, no sync)."""
         def fail(name: str, why: str) -> None:
             raise ValueError(f"kv_collection.{name}: {why}")
 
