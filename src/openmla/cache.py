@@ -9,13 +9,21 @@ sequence is the same physical page in every layer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import numbers
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 import torch
 
-from .fp8 import FP8, ds_mla_latent_rank, ds_mla_record_bytes, pack_ds_mla, quantize_e4m3, unpack_ds_mla
+from .fp8 import CACHE_FORMATS, DS_MLA_GROUP, FP8, ds_mla_latent_rank, ds_mla_record_bytes, pack_ds_mla, quantize_e4m3, unpack_ds_mla
+
+# Storage dtypes of a native cache (what every backend computes in), and of metadata tensors.
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
+STORAGE_DTYPES = {"native": NATIVE_DTYPES, "fp8_e4m3": (FP8,), "fp8_ds_mla": (torch.uint8,)}
+INT32_MAX = 2**31 - 1  # metadata, positions and physical rows are int32 in the kernels
 
 
 class CacheFullError(RuntimeError):
@@ -26,29 +34,44 @@ class PageAllocator:
     """A free list of physical page ids ``0 .. num_pages-1``."""
 
     def __init__(self, num_pages: int) -> None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages: must be an int >= 1, got {num_pages!r}")
         self.num_pages = num_pages
         # A stack popping the lowest ids first keeps small runs compact and easy to read.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._taken = bytearray(num_pages)  # 1 where a page is allocated: double frees are caught
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` pages; raises ``CacheFullError`` (and takes none) if fewer are free."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+    def peek(self, n: int) -> list[int]:
+        """The ``n`` pages ``allocate(n)`` would take, without taking them; ``CacheFullError`` if
+        fewer are free."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise CacheFullError(f"need {n} free pages, {len(self._free)} of {self.num_pages} are free")
-        if n == 0:
-            return []
-        pages = self._free[-n:][::-1]
-        del self._free[-n:]
+        return self._free[len(self._free) - n:][::-1]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` pages; raises ``CacheFullError`` (and takes none) if fewer are free."""
+        pages = self.peek(n)
+        del self._free[len(self._free) - n:]
+        for p in pages:
+            self._taken[p] = 1
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
+        """Return ``pages``; all or none: a page that is out of range, listed twice or already
+        free raises ``ValueError`` and nothing is returned."""
+        pages = list(pages)
+        if any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages for p in pages):
+            raise ValueError(f"pages: every page must be an int in [0, {self.num_pages}), got {pages}")
+        if len(set(pages)) != len(pages) or not all(self._taken[p] for p in pages):
+            raise ValueError(f"pages: a page is listed twice or already free in {pages}")
+        for p in pages:
+            self._taken[p] = 0
         self._free.extend(sorted(pages, reverse=True))
 
 
@@ -60,6 +83,25 @@ def _select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, index)
 
 
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    return type(x).__name__
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What ``PagedLatentCache.prepare`` reserved for one batch: the cache that handed it out,
+    each sequence's generation at that moment (it changes on every commit and release), and
+    the token counts ``commit`` will apply. A batch commits only while every generation holds."""
+
+    cache_token: object
+    seq_ids: tuple
+    generations: tuple[int, ...]
+    cache_lengths: tuple[int, ...]
+    new_tokens: tuple[int, ...]
+
+
 @dataclass
 class CacheBatch:
     """The view of the cache one forward call works on (the seeds' ``kv_collection``).
@@ -69,8 +111,15 @@ class CacheBatch:
       page ``j`` of sequence ``b``. Entries past a sequence's last page are 0 and never read.
     - ``cache_lengths``: int32 ``[B]``, tokens already cached before this call.
     - ``input_row_offsets``: int32 ``[B+1]``, rows of the ragged query batch per sequence.
-    - ``cache_format``: ``native`` (entries in ``blocks.dtype``), ``fp8_e4m3`` (float8 entries times
-      ``kv_scale[layer]``) or ``fp8_ds_mla`` (uint8 token records, see ``openmla.fp8``).
+    - ``cache_format``: ``native`` (entries in ``blocks.dtype``: bfloat16, float16, float32 or
+      float64), ``fp8_e4m3`` (float8 entries times ``kv_scale[layer]``) or ``fp8_ds_mla`` (uint8
+      token records, see ``openmla.fp8``).
+    - ``ticket``: what ``PagedLatentCache.prepare`` reserved (``commit`` reads it); None for a
+      batch built by hand, which no cache commits.
+
+    Index tensors may be int32, int64 or uint32, in any layout, all on the blocks' device. The
+    constructor checks every field's type, dtype, rank, device and size (``ValueError`` naming
+    ``kv_collection.<field>``); values are checked by the ops that read them.
     """
 
     blocks: torch.Tensor
@@ -82,7 +131,57 @@ class CacheBatch:
     cache_format: str = "native"
     kv_scale: torch.Tensor | None = None  # float32 [num_layers], fp8_e4m3 only
     rope_dim: int | None = None  # R, needed to decode fp8_ds_mla records
+    ticket: "Ticket | None" = field(default=None, repr=False, compare=False)  # set by PagedLatentCache.prepare
     _host: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Field checks (host facts only: no device read, no sync)."""
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"kv_collection.{name}: {why}")
+
+        if not isinstance(self.cache_format, str) or self.cache_format not in CACHE_FORMATS:
+            fail("cache_format", f"expected one of {CACHE_FORMATS}, got {self.cache_format!r}")
+        blocks = self.blocks
+        if not isinstance(blocks, torch.Tensor) or blocks.dim() != 4:
+            fail("blocks", f"expected a 4-D tensor [num_layers, num_pages, page_size, width], got {_describe(blocks)}")
+        if blocks.dtype not in STORAGE_DTYPES[self.cache_format]:
+            fail("blocks", f"a {self.cache_format} cache is stored as one of {[str(d) for d in STORAGE_DTYPES[self.cache_format]]}, "
+                 f"got {blocks.dtype}")
+        dev = blocks.device
+        for name, rank in (("block_table", 2), ("cache_lengths", 1), ("input_row_offsets", 1)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                fail(name, f"expected a {rank}-D index tensor, got {_describe(t)}")
+            if t.dtype not in INDEX_DTYPES:
+                fail(name, f"dtype {t.dtype} is not an index dtype {[str(d) for d in INDEX_DTYPES]}")
+            if t.device != dev:
+                fail(name, f"on {t.device}, the blocks are on {dev}")
+        B = self.cache_lengths.shape[0]
+        if self.block_table.shape[0] != B:
+            fail("block_table", f"{self.block_table.shape[0]} rows for {B} sequences (cache_lengths)")
+        if self.input_row_offsets.shape[0] != B + 1:
+            fail("input_row_offsets", f"{self.input_row_offsets.shape[0]} entries for {B} sequences (expected B+1)")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size != blocks.shape[2]:
+            fail("page_size", f"must be the int blocks.shape[2] = {blocks.shape[2]}, got {self.page_size!r}")
+        if not isinstance(self.seq_ids, tuple) or len(self.seq_ids) not in (0, B):
+            fail("seq_ids", f"expected a tuple of 0 or {B} ids, got {self.seq_ids!r}")
+        if self.kv_scale is not None or self.cache_format == "fp8_e4m3":
+            k = self.kv_scale
+            if not isinstance(k, torch.Tensor) or k.dtype != torch.float32 or tuple(k.shape) != (blocks.shape[0],) or k.device != dev:
+                fail("kv_scale", f"expected a float32 [{blocks.shape[0]}] tensor on {dev} (one scale per layer), got {_describe(k)}")
+        if self.rope_dim is not None or self.cache_format == "fp8_ds_mla":
+            R = self.rope_dim
+            if isinstance(R, bool) or not isinstance(R, int) or R < 1:
+                fail("rope_dim", f"expected a positive int (the rope width R), got {R!r}")
+            if self.cache_format == "fp8_ds_mla":
+                L = ds_mla_latent_rank(int(blocks.shape[3]), R)
+                if R % 2 or L < DS_MLA_GROUP or L % DS_MLA_GROUP or ds_mla_record_bytes(L, R) != blocks.shape[3]:
+                    fail("rope_dim", f"{R} does not split {blocks.shape[3]}-byte fp8_ds_mla records into a latent of whole "
+                         f"{DS_MLA_GROUP}-value groups and an even rope width")
+        if self.ticket is not None and not isinstance(self.ticket, Ticket):
+            fail("ticket", f"expected a Ticket from PagedLatentCache.prepare or None, got {type(self.ticket).__name__}")
+        if not isinstance(self._host, dict):
+            fail("_host", f"expected a dict, got {type(self._host).__name__}")
 
     # Host-side copies, computed once: planning code must not sync per sequence.
     @property
@@ -198,12 +297,63 @@ class CacheBatch:
         return dataclasses.replace(self, blocks=blocks)
 
 
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    return value
+
+
+def _storage_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that can hold the cache (``ValueError`` naming it otherwise)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: not a torch device, got {device!r}") from None
+    if dev.type == "meta":
+        raise ValueError("device: the cache needs real storage, got meta")
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device: {dev} is not available on this machine")
+    return dev
+
+
+def _check_seq_ids(seq_ids: object) -> list:
+    if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+        raise ValueError(f"seq_ids: expected a sequence (list or tuple) of ids, got {type(seq_ids).__name__}")
+    ids = list(seq_ids)
+    for s in ids:
+        if isinstance(s, torch.Tensor) or not isinstance(s, Hashable):
+            raise ValueError(f"seq_ids: every id must be hashable and not a tensor (tensors hash by identity), got {type(s).__name__}")
+    try:
+        distinct = len(set(ids))
+    except TypeError:  # a tuple holding something unhashable
+        raise ValueError(f"seq_ids: every id must be hashable, got {ids!r}") from None
+    if distinct != len(ids):
+        raise ValueError("seq_ids: an id appears twice in one batch")
+    return ids
+
+
+def _check_counts(num_new_tokens: object, n: int) -> list[int]:
+    if isinstance(num_new_tokens, (str, bytes)) or not isinstance(num_new_tokens, Sequence):
+        raise ValueError(f"num_new_tokens: expected a sequence (list or tuple) of ints, got {type(num_new_tokens).__name__}")
+    counts = list(num_new_tokens)
+    if len(counts) != n:
+        raise ValueError(f"num_new_tokens: {len(counts)} counts for {n} seq_ids")
+    if any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0 for c in counts):
+        raise ValueError(f"num_new_tokens: every count must be an int >= 0, got {counts!r}")
+    counts = [int(c) for c in counts]
+    if sum(counts) > INT32_MAX:
+        raise ValueError(f"num_new_tokens: {sum(counts)} tokens in one batch exceed the int32 row offsets")
+    return counts
+
+
 class PagedLatentCache:
     """Owns the latent storage and the page allocator; hands out ``CacheBatch`` views.
 
     Typical step: ``batch = cache.prepare(ids, new_counts)``; every layer runs with
     ``batch`` (writing its entries); ``cache.commit(batch)``; ``cache.release(id)`` when a
-    sequence finishes.
+    sequence finishes. ``prepare``, ``commit`` and ``release`` are all-or-nothing: a call that
+    raises leaves the allocator, page lists and lengths as they were. A batch commits once,
+    and only while none of its sequences was committed or released since its ``prepare``.
     """
 
     def __init__(
@@ -218,29 +368,51 @@ class PagedLatentCache:
         rope_dim: int = 64,
         kv_scale: float = 1.0,
     ) -> None:
-        """``dtype``: a float dtype (entries stored as is), ``torch.float8_e4m3fn`` or ``"fp8_e4m3"``
-        (entries / ``kv_scale``, one float32 scale per layer), or ``"fp8_ds_mla"`` (DeepSeek-V3.2's
-        656-byte record for L=512, R=64; ``rope_dim`` is R)."""
-        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        """``dtype``: bfloat16, float16, float32 or float64 (entries stored as is),
+        ``torch.float8_e4m3fn`` or ``"fp8_e4m3"`` (entries / ``kv_scale``, one float32 scale per
+        layer), or ``"fp8_ds_mla"`` (DeepSeek-V3.2's 656-byte record for L=512, R=64). ``rope_dim``
+        is R (read by fp8_ds_mla; ``head_dim - rope_dim`` must then be a multiple of 128).
+        Every argument is checked: ``ValueError`` naming it."""
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                            ("head_dim", head_dim), ("rope_dim", rope_dim)):
+            _positive_int(name, value)
+        if num_pages * page_size > INT32_MAX:
+            raise ValueError(f"num_pages: {num_pages} pages of {page_size} rows exceed the int32 row index")
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim: must be even (RoPE rotates pairs), got {rope_dim}")
         self.page_size = page_size
         self.rope_dim = rope_dim
-        if dtype in ("fp8_e4m3", FP8):
+        if isinstance(dtype, str) and dtype == "fp8_ds_mla":
+            L = head_dim - rope_dim
+            if L < DS_MLA_GROUP or L % DS_MLA_GROUP:
+                raise ValueError(f"head_dim: fp8_ds_mla needs head_dim - rope_dim (the kv_lora_rank L) a positive multiple of {DS_MLA_GROUP}, "
+                                 f"got {head_dim} - {rope_dim}")
+            self.cache_format, width, storage = "fp8_ds_mla", ds_mla_record_bytes(L, rope_dim), torch.uint8
+        elif (isinstance(dtype, str) and dtype == "fp8_e4m3") or dtype is FP8:
             self.cache_format, width, storage = "fp8_e4m3", head_dim, FP8
-        elif dtype == "fp8_ds_mla":
-            self.cache_format, width, storage = "fp8_ds_mla", ds_mla_record_bytes(head_dim - rope_dim, rope_dim), torch.uint8
-        elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        elif isinstance(dtype, torch.dtype) and dtype in NATIVE_DTYPES:
             self.cache_format, width, storage = "native", head_dim, dtype
         else:
-            raise ValueError(f"dtype: expected a float dtype, 'fp8_e4m3' or 'fp8_ds_mla', got {dtype!r}")
-        if not (kv_scale > 0):
-            raise ValueError(f"kv_scale: must be > 0, got {kv_scale!r}")
-        self.blocks = torch.zeros(num_layers, num_pages, page_size, width, dtype=storage, device=device)
-        self.kv_scale = torch.full((num_layers,), float(kv_scale), dtype=torch.float32, device=device)
+            raise ValueError(f"dtype: expected one of {[str(d) for d in NATIVE_DTYPES]}, torch.float8_e4m3fn, 'fp8_e4m3' "
+                             f"or 'fp8_ds_mla', got {dtype!r}")
+        if isinstance(kv_scale, bool) or not isinstance(kv_scale, numbers.Real) or not (
+                0 < float(torch.tensor(float(kv_scale), dtype=torch.float32)) < math.inf):
+            raise ValueError(f"kv_scale: expected a finite float > 0 (in float32), got {kv_scale!r}")
+        dev = _storage_device(device)
+        try:
+            self.blocks = torch.zeros(num_layers, num_pages, page_size, width, dtype=storage, device=dev)
+        except RuntimeError as e:  # out of memory, or a device torch cannot allocate on
+            nbytes = num_layers * num_pages * page_size * width * torch.empty((), dtype=storage).element_size()
+            raise ValueError(f"num_pages: cannot allocate {nbytes} bytes of cache on {dev}: {e}") from None
+        self.kv_scale = torch.full((num_layers,), float(kv_scale), dtype=torch.float32, device=dev)
         self.allocator = PageAllocator(num_pages)
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+        # Generations: each sequence gets a fresh number from the clock when it is registered and
+        # on every commit; a batch records them at prepare and commits only while they hold.
+        self._generations: dict[Hashable, int] = {}
+        self._clock = itertools.count(1)
+        self._token = object()  # identifies batches prepared by this cache
 
     # Queries ------------------------------------------------------------------------
     @property
@@ -280,65 +452,97 @@ class PagedLatentCache:
     def prepare(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> CacheBatch:
         """Reserve pages for ``num_new_tokens[i]`` more tokens of ``seq_ids[i]``; returns the batch.
 
-        Unseen ids are registered. Raises ``CacheFullError`` (leaving every structure as it
-        was) when the pool cannot hold the new tokens.
+        ``seq_ids``: a list or tuple of distinct hashable ids; ``num_new_tokens``: ints >= 0, one per
+        id. Unseen ids are registered. Raises ``ValueError`` (bad arguments) or ``CacheFullError``
+        (the pool cannot hold the new tokens), leaving every structure as it was.
         """
-        seq_ids = list(seq_ids)
-        counts = [int(n) for n in num_new_tokens]
-        if len(seq_ids) != len(counts):
-            raise ValueError(f"num_new_tokens: {len(counts)} counts for {len(seq_ids)} seq_ids")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("seq_ids: an id appears twice in one batch")
-        if any(n < 0 for n in counts):
-            raise ValueError(f"num_new_tokens: counts must be >= 0, got {counts}")
+        ids = _check_seq_ids(seq_ids)
+        counts = _check_counts(num_new_tokens, len(ids))
         ps = self.page_size
-        need = [max(0, math.ceil((self.length(s) + n) / ps) - len(self._pages.get(s, ()))) for s, n in zip(seq_ids, counts)]
-        fresh = self.allocator.allocate(sum(need))  # raises before anything changed
-        for s, k in zip(seq_ids, need):
-            self._pages.setdefault(s, []).extend(fresh[:k])
+        lengths = [self._lengths.get(s, 0) for s in ids]
+        for s, c, n in zip(ids, lengths, counts):
+            if c + n > INT32_MAX:
+                raise ValueError(f"num_new_tokens: sequence {s!r} would hold {c + n} tokens, past the int32 positions")
+        owned = [self._pages.get(s, []) for s in ids]
+        need = [max(0, -(-(c + n) // ps) - len(p)) for c, n, p in zip(lengths, counts, owned)]
+        fresh = self.allocator.peek(sum(need))  # raises CacheFullError before anything changed
+        pages, k = [], 0
+        for p, m in zip(owned, need):
+            pages.append(p + fresh[k: k + m])
+            k += m
+        generations = tuple(self._generations[s] if s in self._generations else next(self._clock) for s in ids)
+        batch = self._make_batch(ids, pages, lengths, counts, generations)  # may raise: still nothing changed
+        # Nothing below can fail: apply the reservation.
+        self.allocator.allocate(len(fresh))
+        for s, p, g in zip(ids, pages, generations):
+            self._pages[s] = p
             self._lengths.setdefault(s, 0)
-            fresh = fresh[k:]
-        max_pages = max([len(self._pages[s]) for s in seq_ids] + [1])
-        table = torch.zeros(len(seq_ids), max_pages, dtype=torch.int32)
-        for i, s in enumerate(seq_ids):
-            pages = self._pages[s]
-            if pages:
-                table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        cache_lengths = [self._lengths[s] for s in seq_ids]
+            self._generations[s] = g
+        return batch
+
+    def _make_batch(self, ids: list, pages: list[list[int]], lengths: list[int], counts: list[int],
+                    generations: tuple[int, ...]) -> CacheBatch:
+        max_pages = max([len(p) for p in pages] + [1])
+        table = torch.tensor([p + [0] * (max_pages - len(p)) for p in pages] or [[0] * max_pages], dtype=torch.int32)
         offsets = [0]
         for n in counts:
             offsets.append(offsets[-1] + n)
         device = self.blocks.device
         batch = CacheBatch(
             blocks=self.blocks,
-            block_table=table.to(device),
-            cache_lengths=torch.tensor(cache_lengths, dtype=torch.int32, device=device),
-            input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
-            page_size=ps,
-            seq_ids=tuple(seq_ids),
+            block_table=table[: len(ids)].to(device),
+            cache_lengths=torch.tensor(lengths, dtype=torch.int32).to(device),
+            input_row_offsets=torch.tensor(offsets, dtype=torch.int32).to(device),
+            page_size=self.page_size,
+            seq_ids=tuple(ids),
             cache_format=self.cache_format,
             kv_scale=None if self.cache_format == "native" else self.kv_scale,
             rope_dim=self.rope_dim,
+            ticket=Ticket(self._token, tuple(ids), generations, tuple(lengths), tuple(counts)),
         )
-        batch._host.update(cache=cache_lengths, offsets=offsets)
+        batch._host.update(cache=list(lengths), offsets=offsets)
         return batch
 
     def commit(self, batch: CacheBatch) -> None:
-        """Advance each sequence's length by its new tokens (call once all layers ran)."""
-        for s, c, n in zip(batch.seq_ids, batch.cache_lengths_list, batch.new_tokens_list):
+        """Advance each sequence's length by the new tokens ``prepare`` reserved (call once all
+        layers ran). ``ValueError`` naming ``batch``, and nothing changes, when the batch was not
+        prepared by this cache or is stale: committed already, or one of its sequences was
+        committed by another batch or released since its ``prepare``."""
+        if not isinstance(batch, CacheBatch):
+            raise ValueError(f"batch: expected a CacheBatch, got {type(batch).__name__}")
+        t = batch.ticket
+        if t is None or t.cache_token is not self._token:
+            raise ValueError("batch: was not prepared by this cache (only batches from its prepare() commit)")
+        for s, g in zip(t.seq_ids, t.generations):
             if s not in self._lengths:
-                raise ValueError(f"batch: sequence {s!r} was released before commit")
-            if self._lengths[s] != c:
-                raise ValueError(f"batch: sequence {s!r} has length {self._lengths[s]}, the batch expected {c} (committed twice?)")
-            self._lengths[s] = c + n
+                raise ValueError(f"batch: sequence {s!r} was released after this batch was prepared (stale batch)")
+            if self._generations[s] != g:
+                raise ValueError(f"batch: sequence {s!r} was committed after this batch was prepared "
+                                 "(committed twice, or a stale batch: prepare a new one)")
+        g = next(self._clock)
+        for s, n in zip(t.seq_ids, t.new_tokens):
+            self._lengths[s] += n
+            self._generations[s] = g
 
     def release(self, seq_id: Hashable) -> None:
-        """Free the pages of ``seq_id`` and forget it."""
-        if seq_id not in self._lengths:
+        """Free the pages of ``seq_id`` and forget it (``ValueError`` for an unknown id; then
+        nothing changes). Batches prepared before the release can no longer be committed."""
+        if isinstance(seq_id, torch.Tensor) or not isinstance(seq_id, Hashable):
+            raise ValueError(f"seq_id: expected a hashable id, got {type(seq_id).__name__}")
+        try:
+            known = seq_id in self._lengths
+        except TypeError:
+            raise ValueError(f"seq_id: expected a hashable id, got {seq_id!r}") from None
+        if not known:
             raise ValueError(f"seq_id: unknown sequence {seq_id!r}")
-        self.allocator.free(self._pages.pop(seq_id))
-        del self._lengths[seq_id]
+        self.allocator.free(self._pages[seq_id])  # checks every page before returning any
+        del self._pages[seq_id], self._lengths[seq_id], self._generations[seq_id]
 
     def batch_for(self, seq_ids: Sequence[Hashable]) -> CacheBatch:
-        """A read-only view of already-committed sequences (no new tokens, no reservation)."""
-        return self.prepare(seq_ids, [0] * len(seq_ids))
+        """A read-only view of already-registered sequences (no new tokens, no reservation);
+        ``ValueError`` for an unknown id."""
+        ids = _check_seq_ids(seq_ids)
+        unknown = [s for s in ids if s not in self._lengths]
+        if unknown:
+            raise ValueError(f"seq_ids: unknown sequences {unknown!r} (batch_for registers nothing)")
+        return self.prepare(ids, [0] * len(ids))

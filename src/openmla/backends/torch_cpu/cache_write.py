@@ -29,10 +29,14 @@ def rotate(x: torch.Tensor, freqs_cis: torch.Tensor, pos: torch.Tensor, interlea
     to ``(a c - b s, a s + b c)``.
     """
     T, R = x.shape[0], x.shape[-1]
+    # view_as_complex needs a unit last stride, even other strides and an even storage offset:
+    # both operands are fresh packed tensors (index_select makes one), so any view of x (a slice
+    # of a wider projection, say) works.
     fc = freqs_cis.index_select(0, pos).to(compute).view(T, *([1] * (x.dim() - 2)), R // 2, 2)
     rot = torch.view_as_complex(fc)
     if interleaved:
-        xc = torch.view_as_complex(x.to(compute, memory_format=torch.contiguous_format).view(*x.shape[:-1], R // 2, 2))
+        packed = torch.empty(x.shape, dtype=compute, device=x.device).copy_(x)
+        xc = torch.view_as_complex(packed.view(*x.shape[:-1], R // 2, 2))
         return torch.view_as_real(xc * rot).flatten(-2)
     y = torch.complex(x[..., : R // 2].to(compute), x[..., R // 2 :].to(compute)) * rot
     return torch.cat([y.real, y.imag], dim=-1)

@@ -190,18 +190,25 @@ def find_sequence(offsets_ptr, row, num_seqs, STEPS: tl.constexpr):
         right = tl.load(offsets_ptr + mid + 1) <= row
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(right, hi, mid)
-    return lo
+    return tl.minimum(lo, num_seqs - 1)  # offsets ending before ``row`` (corrupt) still name a sequence
 
 
 @triton.jit
-def physical_row(block_table_ptr, pos, page_size, valid):
-    """int64 physical row ``table[pos // page_size] * page_size + pos % page_size``.
+def physical_row(block_table_ptr, pos, page_size, max_pages, num_pages, valid):
+    """``(row, ok)``: int64 physical row ``table[pos // page_size] * page_size + pos % page_size``
+    and where it may be touched.
 
-    ``block_table_ptr`` points at the sequence's row of the page table; invalid lanes read
-    page 0 (their row is never used).
+    ``block_table_ptr`` points at the sequence's row of the page table (``max_pages`` entries);
+    the cache holds ``num_pages`` pages. ``ok`` is ``valid`` and ``0 <= pos``, the page inside
+    the table row, the page id inside ``[0, num_pages)``: metadata corrupted after validation
+    can never move a load or store outside the table or the cache. Rows where ``ok`` is false
+    are 0 (callers mask them: an invisible key, a skipped write).
     """
-    page = tl.load(block_table_ptr + pos // page_size, mask=valid, other=0)
-    return page.to(tl.int64) * page_size + (pos % page_size)
+    col = pos // page_size
+    ok = valid & (pos >= 0) & (col < max_pages)
+    page = tl.load(block_table_ptr + tl.where(ok, col, 0), mask=ok, other=0).to(tl.int64)
+    ok = ok & (page >= 0) & (page < num_pages)
+    return tl.where(ok, page * page_size + (pos % page_size), 0), ok
 
 
 @triton.jit

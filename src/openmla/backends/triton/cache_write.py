@@ -46,7 +46,7 @@ def _rope_pair_index(HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: 
 def _cache_write_kernel(
     q_ptr, q_out_ptr, kv_ptr, freqs_ptr, gamma_ptr, lat_ptr, rope_ptr, scales_ptr, kv_scale_ptr,
     block_table_ptr, cache_lens_ptr, offsets_ptr,
-    num_seqs, num_heads, page_size, eps,
+    num_seqs, num_heads, page_size, max_pages, num_pages, num_positions, eps,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kvt, stride_freqs, stride_bt,
     stride_lat, stride_rope, stride_scales,
     L: tl.constexpr, R: tl.constexpr, DN: tl.constexpr,
@@ -59,12 +59,14 @@ def _cache_write_kernel(
     seq = find_sequence(offsets_ptr, t, num_seqs, STEPS)
     pos = tl.load(cache_lens_ptr + seq) + t - tl.load(offsets_ptr + seq)
 
-    # cos/sin of this position, one per rotated pair.
+    # cos/sin of this position, one per rotated pair (a position outside freqs_cis, from
+    # metadata corrupted after validation, reads zeros instead of foreign memory).
     a_idx, b_idx, pair_ok = _rope_pair_index(R // 2, BLOCK_HALF, INTERLEAVED)
     pair = tl.arange(0, BLOCK_HALF)
-    freqs_row = freqs_ptr + pos.to(tl.int64) * stride_freqs
-    cos = tl.load(freqs_row + 2 * pair, mask=pair_ok, other=0.0).to(tl.float32)
-    sin = tl.load(freqs_row + 2 * pair + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    pos_ok = (pos >= 0) & (pos < num_positions)
+    freqs_row = freqs_ptr + tl.where(pos_ok, pos, 0).to(tl.int64) * stride_freqs
+    cos = tl.load(freqs_row + 2 * pair, mask=tl.where(pos_ok, pair_ok, False), other=0.0).to(tl.float32)
+    sin = tl.load(freqs_row + 2 * pair + 1, mask=tl.where(pos_ok, pair_ok, False), other=0.0).to(tl.float32)
 
     # q: copy the nope part, rotate the rope part, for a block of heads.
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -91,7 +93,12 @@ def _cache_write_kernel(
         gamma = tl.load(gamma_ptr + lane, mask=lane_ok, other=0.0).to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
         y = x * inv_rms * gamma
-        row = physical_row(block_table_ptr + seq.to(tl.int64) * stride_bt, pos, page_size, True)
+        # A row outside the cache (corrupt page table or length) is not written at all.
+        row, row_ok = physical_row(block_table_ptr + seq.to(tl.int64) * stride_bt, pos, page_size, max_pages, num_pages,
+                                   pos_ok)
+        # (``tl.where`` spreads the scalar flag: the interpreter cannot ``&`` a scalar with a block.)
+        lane_ok = tl.where(row_ok, lane_ok, False)
+        pair_ok = tl.where(row_ok, pair_ok, False)
         lat_dst = lat_ptr + row * stride_lat
         rope_dst = rope_ptr + row * stride_rope
         # Key rope part, rotated like q's.
@@ -115,8 +122,8 @@ def _cache_write_kernel(
             amax = tl.max(tl.abs(y2), axis=1)
             scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX_C), 1.0)
             col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-            tl.store(lat_dst + col, quantize_e4m3(y2, scale[:, None]), mask=col < L)
-            tl.store(scales_ptr + row * stride_scales + g, scale, mask=g * GROUP < L)
+            tl.store(lat_dst + col, quantize_e4m3(y2, scale[:, None]), mask=tl.where(row_ok, col < L, False))
+            tl.store(scales_ptr + row * stride_scales + g, scale, mask=tl.where(row_ok, g * GROUP < L, False))
             tl.store(rope_dst + a_idx, cast_to(ra, tl.bfloat16), mask=pair_ok)
             tl.store(rope_dst + b_idx, cast_to(rb, tl.bfloat16), mask=pair_ok)
 
@@ -142,6 +149,8 @@ def write_cache(
     L = kv_norm_gamma.shape[0]
     R = kv.shape[1] - L
     DN = QD - R
+    if DN < 0:  # the kernel would address q_out's rope part before the row: refuse (host shapes only)
+        raise ValueError(f"q: depth {QD} is smaller than the rope width {R} (kv width minus kv_norm_gamma's)")
     q_out = _common.empty((T, H, QD), q.dtype, q.device)
     if T == 0:
         return q_out
@@ -155,7 +164,7 @@ def write_cache(
     _cache_write_kernel[grid](
         q, q_out, kv, freqs, kv_norm_gamma.contiguous(), views.latent, views.rope, views.scales, views.kv_scale,
         block_table, _common.as_index(batch.cache_lengths), _common.as_index(batch.input_row_offsets),
-        batch.batch_size, H, batch.page_size, float(epsilon),
+        batch.batch_size, H, batch.page_size, block_table.shape[1], views.latent.shape[0], freqs.shape[0], float(epsilon),
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), freqs.stride(0),
         block_table.stride(0), views.latent.stride(1), views.rope.stride(1), views.scales.stride(1),
         L=L, R=R, DN=DN,

@@ -51,16 +51,20 @@ SPARSE_NONE, SPARSE_PHYSICAL, SPARSE_LOGICAL = 0, 1, 2
 
 @triton.jit
 def _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs, num_splits, window, chunk,
-                sparse_width, stride_bt, MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr,
-                BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
+                sparse_width, stride_bt, max_pages, page_size, MASK: tl.constexpr, SPARSE: tl.constexpr,
+                HAS_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
     """Row ``t``'s visible key range ``[lo, hi)``, its page-table row, and the items
-    ``[start, end)`` (key positions, or slots of the sparse row) that ``split`` walks."""
+    ``[start, end)`` (key positions, or slots of the sparse row) that ``split`` walks.
+    Positions stop at the page table's reach (``max_pages * page_size``), so corrupt lengths
+    cannot make the loop long."""
     seq = find_sequence(offsets_ptr, t, num_seqs, STEPS)
     row_start = tl.load(offsets_ptr + seq)
     cache_len = tl.load(cache_lens_ptr + seq)
     kv_len = cache_len + tl.load(offsets_ptr + seq + 1) - row_start
     q_pos = cache_len + t - row_start
     lo, hi = key_range(q_pos, kv_len, MASK, window, chunk)
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, max_pages * page_size)
     hi = tl.maximum(hi, lo)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
     if SPARSE == 0:
@@ -78,21 +82,22 @@ def _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split
 
 
 @triton.jit
-def _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Physical cache rows (int64) of the tile's items starting at ``n0``, and which are keys."""
+def _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, max_pages, num_pages, SPARSE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Physical cache rows (int64) of the tile's items starting at ``n0``, and which are keys.
+    A page or row outside the cache (metadata corrupted after validation) is no key."""
     items = n0 + tl.arange(0, BLOCK_N)
     in_split = items < end
     if SPARSE == 0:
-        valid = in_split
-        rows = physical_row(table, items, page_size, valid)
+        rows, valid = physical_row(table, items, page_size, max_pages, num_pages, in_split)
     elif SPARSE == 1:
-        idx = tl.load(sparse_row + items, mask=in_split, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
+        idx = tl.load(sparse_row + items, mask=in_split, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx // page_size < num_pages)
+        rows = tl.where(valid, idx, 0)
     else:
         idx = tl.load(sparse_row + items, mask=in_split, other=-1)
         valid = (idx >= lo) & (idx < hi)  # lo >= 0, so -1 slots fail too
-        rows = physical_row(table, tl.where(valid, idx, 0), page_size, valid)
+        rows, valid = physical_row(table, tl.where(valid, idx, 0), page_size, max_pages, num_pages, valid)
     return rows, valid
 
 
@@ -100,7 +105,7 @@ def _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE: tl.constex
 def _decode_split_kernel(
     q_ptr, lat_ptr, rope_ptr, kv_scale_ptr, block_table_ptr, cache_lens_ptr, offsets_ptr, sparse_ptr, topk_ptr,
     o_part_ptr, lse_part_ptr,
-    num_seqs, num_heads, num_splits, page_size, sm_scale_log2, window, chunk, sparse_width,
+    num_seqs, num_heads, num_splits, page_size, max_pages, num_pages, sm_scale_log2, window, chunk, sparse_width,
     stride_qt, stride_qh, stride_lat, stride_rope, stride_bt, stride_sparse_t,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     L: tl.constexpr, R: tl.constexpr,
@@ -115,8 +120,8 @@ def _decode_split_kernel(
     t = tl.program_id(0) // num_head_blocks
     split = tl.program_id(1)
     lo, hi, table, start, end = _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs,
-                                            num_splits, window, chunk, sparse_width, stride_bt, MASK, SPARSE, HAS_TOPK,
-                                            BLOCK_N, STEPS)
+                                            num_splits, window, chunk, sparse_width, stride_bt, max_pages, page_size, MASK,
+                                            SPARSE, HAS_TOPK, BLOCK_N, STEPS)
 
     # fp8_e4m3 keys are ``stored * kv_scale`` with one scale for the whole entry: the stored
     # values widen exactly to DOT_T, and the scale multiplies the float32 scores and output.
@@ -139,7 +144,7 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
     sparse_row = sparse_ptr + t.to(tl.int64) * stride_sparse_t
     for n0 in range(start, end, BLOCK_N):
-        rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE, BLOCK_N)
+        rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, max_pages, num_pages, SPARSE, BLOCK_N)
         k_lat = tl.load(lat_ptr + rows[:, None] * stride_lat + dl[None, :], mask=valid[:, None] & (dl[None, :] < L),
                         other=0.0).to(DOT_T)
         k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :], mask=valid[:, None] & (dr[None, :] < R),
@@ -167,7 +172,7 @@ def _decode_split_kernel(
 def _decode_split_ds_mla_kernel(
     q_ptr, lat_ptr, rope_ptr, scales_ptr, block_table_ptr, cache_lens_ptr, offsets_ptr, sparse_ptr, topk_ptr,
     o_part_ptr, lse_part_ptr,
-    num_seqs, num_heads, num_splits, page_size, sm_scale_log2, window, chunk, sparse_width,
+    num_seqs, num_heads, num_splits, page_size, max_pages, num_pages, sm_scale_log2, window, chunk, sparse_width,
     stride_qt, stride_qh, stride_lat, stride_rope, stride_scales, stride_bt, stride_sparse_t,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     L: tl.constexpr, R: tl.constexpr, GROUP: tl.constexpr,
@@ -185,8 +190,8 @@ def _decode_split_ds_mla_kernel(
     t = tl.program_id(0) // num_head_blocks
     split = tl.program_id(1)
     lo, hi, table, start, end = _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs,
-                                            num_splits, window, chunk, sparse_width, stride_bt, MASK, SPARSE, HAS_TOPK,
-                                            BLOCK_N, STEPS)
+                                            num_splits, window, chunk, sparse_width, stride_bt, max_pages, page_size, MASK,
+                                            SPARSE, HAS_TOPK, BLOCK_N, STEPS)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
@@ -205,7 +210,7 @@ def _decode_split_ds_mla_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_H, GROUP), tl.float32)
     sparse_row = sparse_ptr + t.to(tl.int64) * stride_sparse_t
     for n0 in range(start, end, BLOCK_N):
-        rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, SPARSE, BLOCK_N)
+        rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, max_pages, num_pages, SPARSE, BLOCK_N)
         k_lat = tl.load(lat_ptr + rows[None, :, None] * stride_lat + col,
                         mask=g_ok[:, None, None] & valid[None, :, None], other=0.0).to(DOT_T)  # [BLOCK_G, BLOCK_N, GROUP]
         k_scale = tl.load(scales_ptr + rows[None, :] * stride_scales + g[:, None], mask=g_ok[:, None] & valid[None, :],
@@ -338,7 +343,8 @@ def decode_into(
     grid = (triton.cdiv(H, block_h) * T, num_splits)
     common = (block_table, cache_lengths, input_row_offsets, sparse, topk_lengths if topk_lengths is not None else cache_lengths,
               o_part, lse_part,
-              B, H, num_splits, page_size, float(scale) / math.log(2.0), window, chunk,
+              B, H, num_splits, page_size, block_table.shape[1], cache_layer.shape[0], float(scale) / math.log(2.0),
+              window, chunk,
               sparse.shape[1] if sparse_indices is not None else 0)
     strides_out = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
     meta = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=next_pow2(R), MASK=mask_code, SPARSE=sparse_mode,

@@ -43,7 +43,7 @@ from .merge import merge_parts
 def _flare_prefill_kernel(
     q_ptr, k_ptr, v_ptr, rope_ptr, kv_scale_ptr, block_table_ptr, cache_lens_ptr, q_offsets_ptr, buf_offsets_ptr,
     cache_offsets_ptr, o_ptr, lse_ptr,
-    page_size, sm_scale_log2, window, chunk,
+    num_q_rows, num_buf_rows, page_size, max_pages, num_pages, sm_scale_log2, window, chunk,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rope, stride_bt,
     stride_ot, stride_oh, stride_lt,
     DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
@@ -54,18 +54,20 @@ def _flare_prefill_kernel(
     h = tl.program_id(1)
     seq = tl.program_id(2)
 
-    # This block's query rows and their positions.
+    # This block's query rows and their positions. Rows, buffer rows and cache pages named by
+    # metadata are bounded by the tensors' sizes: metadata corrupted after validation can
+    # neither read nor write outside q/out, k/v or the cache (such rows and keys drop out).
     q_start = tl.load(q_offsets_ptr + seq)
     num_q = tl.load(q_offsets_ptr + seq + 1) - q_start
     cache_len = tl.load(cache_lens_ptr + seq)
     i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_ok = i < num_q
+    q_ok = (i < num_q) & (q_start + i >= 0) & (q_start + i < num_q_rows)
     q_pos = cache_len + i
     lo, hi = key_range(q_pos, cache_len + num_q, MASK, window, chunk)
 
     # This chunk's keys of the sequence: buffer rows buf_start + j at positions key_base + j.
     buf_start = tl.load(buf_offsets_ptr + seq)
-    num_keys = tl.load(buf_offsets_ptr + seq + 1) - buf_start
+    num_keys = tl.minimum(tl.load(buf_offsets_ptr + seq + 1) - buf_start, num_buf_rows)
     key_base = tl.load(cache_offsets_ptr + seq)
     # Only tiles some query of the block can see (an empty block loops zero times).
     j_lo = tl.maximum(tl.min(tl.where(q_ok, lo, 2147483647), axis=0) - key_base, 0)
@@ -86,12 +88,12 @@ def _flare_prefill_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        k_ok = j < j_hi
-        key_pos = key_base + j
         buf_row = (buf_start + j).to(tl.int64)
+        k_ok = (j < j_hi) & (buf_row >= 0) & (buf_row < num_buf_rows)
+        key_pos = key_base + j
         k_nope = tl.load(k_ptr + buf_row[:, None] * stride_kt + h * stride_kh + dn[None, :],
                          mask=k_ok[:, None] & (dn[None, :] < DN), other=0.0).to(DOT_T)
-        rows = physical_row(table, key_pos, page_size, k_ok)
+        rows, k_ok = physical_row(table, key_pos, page_size, max_pages, num_pages, k_ok)
         k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :],
                          mask=k_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
         v = tl.load(v_ptr + buf_row[:, None] * stride_vt + h * stride_vh + dv[None, :],
@@ -169,7 +171,8 @@ def flare_prefill_into(
     _flare_prefill_kernel[grid](
         q, k, v, views.rope, views.kv_scale, block_table, _common.as_index(batch.cache_lengths),
         _common.as_index(batch.input_row_offsets), buffer_row_offsets, cache_offsets, out, lse,
-        batch.page_size, float(scale) / math.log(2.0), window, chunk,
+        T, k.shape[0], batch.page_size, block_table.shape[1], views.rope.shape[0], float(scale) / math.log(2.0),
+        window, chunk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), views.rope.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         DN=DN, R=R, DV=DV, BLOCK_DN=next_pow2(DN), BLOCK_R=next_pow2(R), BLOCK_DV=next_pow2(DV),
@@ -215,12 +218,19 @@ def gather_up_project(batch: CacheBatch, layer_idx: int, seq: torch.Tensor, pos:
     H, DV, L = w_uv.shape
     dev = batch.blocks.device
     seq, pos = seq.to(dev), pos.to(dev)
-    pages = batch.block_table[seq, pos // batch.page_size].long()
-    rows = pages * batch.page_size + pos % batch.page_size
+    # Table columns and page ids are clamped into range and the rows they would name zeroed:
+    # a page table corrupted after validation reads no memory outside the table or the cache.
+    table = batch.block_table
+    col = pos // batch.page_size
+    ok = (col >= 0) & (col < table.shape[1])
+    pages = table[seq, col.clamp(0, table.shape[1] - 1)].long()
+    ok &= (pages >= 0) & (pages < batch.num_pages)
+    rows = torch.where(ok, pages * batch.page_size + pos % batch.page_size, 0)
     if batch.is_native:
         latent = batch.blocks[layer_idx].reshape(-1, batch.blocks.shape[3])[rows, :L].to(dtype)
     else:
         latent = batch.read_rows(layer_idx, rows, dtype)[:, :L]
+    latent = latent.masked_fill(~ok[:, None], 0)
     k_nope = (latent @ w_k.to(dtype).t()).view(-1, H, w_k.shape[0] // H)
     v = (latent @ w_uv.to(dtype).reshape(H * DV, L).t()).view(-1, H, DV)
     return k_nope, v
