@@ -423,8 +423,8 @@ CACHE_AND_LAYER = [
     Bad("layer rows", ("hidden_states",), layer_call("rows")),
     Bad("layer width", ("hidden_states",), layer_call("width")),
     Bad("layer input not a tensor", ("hidden_states",), layer_call("not a tensor")),
-    Bad("layer batch", ("kv_collection",), layer_call("batch")),
-    Bad("layer reserved kwarg", ("attn_kwargs",), layer_call("reserved kwarg")),
+    Bad("layer batch", ("step",), layer_call("batch")),
+    Bad("layer reserved kwarg", ("plan_options",), layer_call("reserved kwarg")),
     Bad("layer bad kwarg", ("mask",), layer_call("bad kwarg")),
 ]
 

@@ -337,26 +337,7 @@ def test_strided_views_equal_contiguous_triton(backend, decode, data):
 
 # 4. Malformed calls ------------------------------------------------------------------------------
 # Known gaps in ops.py/validate.py (the calls are not rejected as documented yet), per backend.
-NOT_CHECKED = "ops does not check it yet"
-STALE = "validation reads the host lists cached at prepare, the backend reads the edited tensor"
-XFAIL = {
-    ("rope_interleaved", "*"): f"rope_interleaved: a non-bool is accepted ({NOT_CHECKED})",
-    ("write rope_interleaved", "*"): f"rope_interleaved: a non-bool is accepted ({NOT_CHECKED})",
-    ("return_lse", "*"): f"return_lse: a non-bool is accepted ({NOT_CHECKED})",
-    ("cache_lengths edited after prepare", "*"): f"cache_lengths edited in place: {STALE}",
-    ("decode lengths edited", "*"): f"cache_lengths edited in place: {STALE}",
-    ("write lengths edited", "*"): f"cache_lengths edited in place: {STALE}",
-    ("write q depth below rope", "torch"): "mla_write_cache does not check q's depth against R (torch raises RuntimeError after writing)",
-    ("write q depth below rope", "reference"): "mla_write_cache does not check q's depth against R",
-    ("v2 v not a tensor", "*"): "mla_prefill_v2_ragged reads v.dim() before v is checked (AttributeError)",
-    ("plan offsets not a tensor", "*"): "mla_prefill_plan reads input_row_offsets[-1] before checking it (AttributeError)",
-    ("plan offsets empty", "*"): "mla_prefill_plan reads input_row_offsets[-1] before checking it (IndexError)",
-    ("merge o shape", "*"): f"merge_states: shapes ({NOT_CHECKED}: RuntimeError or silent broadcasting)",
-    ("merge lse shape", "*"): f"merge_states: shapes ({NOT_CHECKED})",
-    ("merge not a tensor", "*"): f"merge_states: types ({NOT_CHECKED}: AttributeError)",
-    ("merge dtype", "*"): f"merge_states: dtypes ({NOT_CHECKED})",
-    ("merge device", "*"): f"merge_states: devices ({NOT_CHECKED}: RuntimeError)",
-}
+XFAIL: dict[tuple[str, str], str] = {}  # (catalogue entry, backend or "*") -> reason, for known gaps
 # Entries that take no backend (cache methods, the plan, merge_states, the constructor) run once.
 NO_BACKEND = ("prepare", "commit", "release", "batch_for", "cache constructor", "plan", "merge")
 

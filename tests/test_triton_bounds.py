@@ -29,7 +29,8 @@ from openmla.backends.triton import _common  # noqa: E402
 from openmla.backends.triton.cache_write import write_cache  # noqa: E402
 from openmla.backends.triton.decode import decode_into  # noqa: E402
 from openmla.backends.triton.prefill import flare_mla_prefill, prefill  # noqa: E402
-from openmla.masks import MaskVariant  # noqa: E402
+from openmla.masks import MaskVariant
+from openmla.planning import chunk_plan  # noqa: E402
 
 from cases import TOL, assert_close, make_case, small_config  # noqa: E402
 from isolated import isolated  # noqa: E402,F401  (fixture)
@@ -262,7 +263,7 @@ def dense_prefill_over_a_corrupt_table(outputs_ok):
             batch.block_table[b, col] = page
     q = case.q
     out, lse = prefill(q, batch, case.layer_idx, case.w_k, case.w_uv, scale=case.scale, mask=MaskVariant(), attn_sink=None,
-                       buffer_size=7)
+                       chunks=chunk_plan(clean.seq_lens_list, 7))
     assert guards_intact(whole)
     outputs_ok()
     # Logical sparse indices: every position not on a bad page (the causal mask still applies).
@@ -360,7 +361,7 @@ def far_corruption(fmt: str) -> str:
     out_w = run_decode(q, b, case)[0]
     write_cache(case.q, case.kv, case.freqs_cis, case.gamma, b, case.layer_idx, 1e-6)
     pre, _ = prefill(case.q, dataclasses.replace(b, _host=dict(case.batch._host)), case.layer_idx, case.w_k, case.w_uv,
-                     scale=case.scale, mask=MaskVariant(), attn_sink=None, buffer_size=8)
+                     scale=case.scale, mask=MaskVariant(), attn_sink=None, chunks=chunk_plan(case.batch.seq_lens_list, 8))
     finite = all(bool(torch.isfinite(t).all()) for t in (out, out_s, out_l, out_w, pre))
     return "ok" if finite else "non-finite output"
 

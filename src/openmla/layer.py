@@ -263,14 +263,14 @@ class LatentAttention(nn.Module):
         return layer
 
     # Forward ---------------------------------------------------------------------------
-    def plan(self, batch: CacheBatch, **options: Any) -> MLAPlan:
-        """``openmla.plan(batch, scale=<this config's softmax scale>, backend=<the layer's>, **options)``:
+    def plan(self, batch: CacheBatch, **plan_options: Any) -> MLAPlan:
+        """``openmla.plan(batch, scale=<this config's softmax scale>, backend=<the layer's>, **plan_options)``:
         one plan serves every layer of a model for one step."""
-        reserved = _RESERVED_KWARGS & set(options)
+        reserved = _RESERVED_KWARGS & set(plan_options)
         if reserved:
-            raise ValueError(f"options: {sorted(reserved)} are set by the layer (from its config)")
-        options.setdefault("backend", self.backend)
-        return plan(batch, scale=self.config.softmax_scale, **options)
+            raise ValueError(f"plan_options: {sorted(reserved)} are set by the layer (from its config)")
+        plan_options.setdefault("backend", self.backend)
+        return plan(batch, scale=self.config.softmax_scale, **plan_options)
 
     def _freqs_for(self, step: MLAPlan, device: torch.device) -> torch.Tensor:
         """The shared rope table on ``device``, grown to cover every position of the step (eagerly:

@@ -348,6 +348,7 @@ class MLAPlan:
         """
         q, out_dtype = self._query(q, q_scale)
         layer_idx = self._layer(layer_idx)
+        _check_return_lse(return_lse)
         T, H, qd = q.shape
         L, R = self._check_write_args(kv, freqs_cis, kv_norm_gamma, epsilon, rope_interleaved)
         Dn = qd - R
@@ -406,6 +407,7 @@ class MLAPlan:
         of ``layer_idx`` (which already hold this step's tokens) -> ``out [T, H, L]``."""
         q, out_dtype = self._query(q, q_scale, self.batch.head_dim)
         layer_idx = self._layer(layer_idx)
+        _check_return_lse(return_lse)
         check_int("kv_lora_rank", kv_lora_rank, 1, q.shape[2])
         out, lse = self._decode(q, layer_idx, self._sink(attn_sink, q.shape[1]), kv_lora_rank)
         return _finish(out, lse, out_dtype, self.device, return_lse)
@@ -425,6 +427,7 @@ class MLAPlan:
         chunked by ``buffer_size``; ``w_k [H*Dn, L]``, ``w_uv [H, Dv, L]`` -> ``out [T, H, Dv]``."""
         q, out_dtype = self._query(q, q_scale)
         layer_idx = self._layer(layer_idx)
+        _check_return_lse(return_lse)
         T, H, qd = q.shape
         check_tensor("w_uv", w_uv, shape=(H, None, None), dtypes=FLOAT_DTYPES, device=self.device)
         L = w_uv.shape[2]
@@ -451,6 +454,7 @@ class MLAPlan:
         per-layer hot path). LSE is over this chunk's keys (for ``merge_states``); no sink."""
         q, out_dtype = self._query(q, q_scale)
         layer_idx = self._layer(layer_idx)
+        _check_return_lse(return_lse)
         chunk = check_chunk(q, k, v, buffer_row_offsets, cache_offsets, self.batch)
         if tile is not None and not isinstance(tile, MlaConfigV2):
             raise ValueError(f"config: expected an MlaConfigV2, got {type(tile).__name__}")
@@ -492,6 +496,11 @@ def write_impl(plan: MLAPlan, q, kv, freqs_cis, gamma, layer_idx: int, epsilon: 
     if plan.max_position > freqs_cis.shape[0]:
         raise ValueError(f"freqs_cis: has {freqs_cis.shape[0]} positions, the batch reaches position {plan.max_position - 1}")
     return plan.backend.write_cache(plan, layer_idx, q, kv, freqs_cis, gamma, epsilon, interleaved)
+
+
+def _check_return_lse(return_lse: object) -> None:
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse: expected a bool, got {return_lse!r}")
 
 
 def _finish(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, device: torch.device, return_lse: bool):
