@@ -21,6 +21,7 @@ so a model compiles without graph breaks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from dataclasses import dataclass
@@ -283,6 +284,19 @@ class MLAPlan:
         self.max_position = max(mine.seq_lens_list, default=0)
         self._chunks.clear()
         return self
+
+    def with_blocks(self, blocks: torch.Tensor) -> "MLAPlan":
+        """This plan over other cache storage of the same shape, dtype and device, for an engine that
+        keeps one cache tensor per layer: ``blocks [num_layers, num_pages, page_size, width]``.
+        O(1): only the storage's shape, dtype and device are checked; every validated and
+        precomputed tensor is shared with this plan (a ``refill`` of either updates both)."""
+        mine = self.batch.blocks
+        if blocks is mine:
+            return self
+        check_tensor("blocks", blocks, shape=tuple(mine.shape), dtypes=(mine.dtype,), device=mine.device)
+        view = copy.copy(self)
+        view.batch = self.batch.with_blocks(blocks)
+        return view
 
     @staticmethod
     def find(input_row_offsets: torch.Tensor) -> "MLAPlan | None":
