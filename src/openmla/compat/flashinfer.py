@@ -269,7 +269,7 @@ class BatchMLAPagedAttentionWrapper:
             key = ("in place", tuple(blocks.shape), blocks.dtype)
             table = st.pages
         else:
-            blocks = self._stage(ckv, kpe, scales)
+            blocks = self._stage(ckv, kpe, scales).unsqueeze(0)
             key = ("staged", tuple(blocks.shape), blocks.dtype)
             table = st.staging_table
         base = self._plans.get(key)
