@@ -27,7 +27,7 @@ the usual engine layout) it is read in place. Otherwise each ``run`` copies the 
 touches (``ceil(kv_len / page_size)`` per sequence, FP8 dequantised) into one staging buffer kept
 by the wrapper: extra memory is bounded by the touched pages, never the whole pool.
 
-Planning: ``plan`` checks the step once (one host read of the index arrays, as in FlashInfer)
+Planning: ``plan`` checks the step once (host reads of the index arrays, as in FlashInfer)
 and every ``run`` (one per layer) checks shapes only; the openmla plan is made on the first
 ``run`` and reused by the later ones (``MLAPlan.with_blocks`` for in-place caches).
 """
