@@ -110,7 +110,7 @@ class FlashMLASchedMeta:
             self._layout, self._table = _dense_layout(block_table, cache_seqlens, self.config, blocks.shape[1], blocks.device)
             self._plans.clear()
             self._dense_key = key
-        pkey = (tuple(blocks.shape), blocks.dtype, scale, backend)
+        pkey = (tuple(blocks.shape), blocks.dtype, fmt, rope_dim, scale, backend)
         base = self._plans.get(pkey)
         if base is None:
             batch = self._layout.batch(blocks, self._table, self.config.page_block_size, fmt, rope_dim)
