@@ -225,3 +225,27 @@ def test_compiled_stack_equals_eager_without_recompiles():
                 cache.commit(batch)
             assert_close(outs[1], outs[0], 1e-5, f"step {i} compiled vs eager", 0)
     assert torch.allclose(caches[0].blocks, caches[1].blocks, atol=1e-6)
+
+
+def test_with_blocks_runs_the_plan_over_other_storage():
+    """A plan over another layer's storage (engines with one cache tensor per layer) equals a fresh
+    plan over that storage, eagerly and through the openmla::attention custom op."""
+    case = make_case([5, 0, 17], [1, 2, 1], page_size=4)
+    step = openmla.plan(case.batch, scale=case.scale, backend="torch")
+    other = torch.randn(case.batch.blocks.shape, generator=torch.Generator().manual_seed(case.seed + 1))
+    view = step.with_blocks(other)
+    assert view.batch.blocks is other and step.batch.blocks is case.batch.blocks and step.with_blocks(step.batch.blocks) is step
+    L = case.config.kv_lora_rank
+    q = torch.randn(case.q.shape[0], case.config.num_heads, case.batch.head_dim, generator=torch.Generator().manual_seed(1))
+    fresh = openmla.plan(case.batch.with_blocks(other), scale=case.scale, backend="torch")
+    want = fresh.decode(q, case.layer_idx, kv_lora_rank=L, return_lse=True)
+    got = view.decode(q, case.layer_idx, kv_lora_rank=L, return_lse=True)
+    op = custom_ops.decode(view, q, case.layer_idx, view.spec, L)
+    for a, b in ((got, want), (op, want)):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    assert not torch.equal(got[0], step.decode(q, case.layer_idx, kv_lora_rank=L))
+    with pytest.raises(ValueError, match="^blocks:"):
+        step.with_blocks(other[:, :-1])
+    with pytest.raises(ValueError, match="^blocks:"):
+        step.with_blocks(other.double())

@@ -63,7 +63,7 @@ def _plan_of(blocks: Tensor, block_table: Tensor, cache_lengths: Tensor, input_r
     """The live plan owning these metadata tensors, or a fresh plan made from them."""
     live = MLAPlan.find(input_row_offsets)
     if live is not None and _same_storage(live.batch.block_table, block_table) and _same_storage(live.batch.cache_lengths, cache_lengths):
-        return live
+        return live.with_blocks(blocks)  # the storage may be another layer's (MLAPlan.with_blocks)
     batch = CacheBatch(blocks, block_table, cache_lengths, input_row_offsets, page_size, cache_format=cache_format,
                        kv_scale=kv_scale, rope_dim=rope_dim or None)
     return plan(batch, scale=1.0, backend=backend, num_partitions=num_partitions or None, buffer_size=buffer_size or None)

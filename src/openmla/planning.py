@@ -21,6 +21,7 @@ so a model compiles without graph breaks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from dataclasses import dataclass
@@ -215,7 +216,6 @@ class MLAPlan:
         self.device = batch.blocks.device
         self.num_tokens = batch.offsets_list[-1]
         self.num_layers = batch.num_layers
-        self.max_position = max(batch.seq_lens_list, default=0)  # rows of freqs_cis the step needs
         self.token_seq, self.token_pos = batch.token_positions()
         self.write_rows = batch.physical_rows(self.token_seq, self.token_pos)
         self._chunks: dict[int, ChunkPlan] = {}
@@ -226,6 +226,14 @@ class MLAPlan:
     def __repr__(self) -> str:
         return (f"MLAPlan(form={self.form}, backend={self.backend_name}, sequences={self.batch.batch_size}, "
                 f"tokens={self.num_tokens}, mask={self.spec.mask.kind.value}, sparse={self.spec.sparse is not None})")
+
+    @property
+    def max_position(self) -> int:
+        """Rows of ``freqs_cis`` the step needs: its longest sequence (cached + new)."""
+        host = self.batch._host
+        if "max_position" not in host:
+            host["max_position"] = max(self.batch.seq_lens_list, default=0)
+        return host["max_position"]
 
     # Shared precomputation ----------------------------------------------------------------
     def chunks(self, buffer_size: int) -> ChunkPlan:
@@ -280,9 +288,21 @@ class MLAPlan:
         self.token_seq.copy_(seq)
         self.token_pos.copy_(pos)
         self.write_rows.copy_(mine.physical_rows(seq, pos))
-        self.max_position = max(mine.seq_lens_list, default=0)
         self._chunks.clear()
         return self
+
+    def with_blocks(self, blocks: torch.Tensor) -> "MLAPlan":
+        """This plan over other cache storage of the same shape, dtype and device, for an engine that
+        keeps one cache tensor per layer: ``blocks [num_layers, num_pages, page_size, width]``.
+        O(1): only the storage's shape, dtype and device are checked; every validated and
+        precomputed tensor is shared with this plan (a ``refill`` of either updates both)."""
+        mine = self.batch.blocks
+        if blocks is mine:
+            return self
+        check_tensor("blocks", blocks, shape=tuple(mine.shape), dtypes=(mine.dtype,), device=mine.device)
+        view = copy.copy(self)
+        view.batch = self.batch.with_blocks(blocks)
+        return view
 
     @staticmethod
     def find(input_row_offsets: torch.Tensor) -> "MLAPlan | None":
