@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from openmla import CacheFullError, LatentAttention, MLAConfig, PagedLatentCache, YarnScaling
 from openmla.distributed import ContextParallelCache, TensorParallelAttention, TokenLayout, init_grid
-from openmla.testing import MASK_CASES, rel_err
+from openmla.testing import MASK_CASES, assert_close, assert_lse, rel_err
 
 WORLD = 4
 MAIN_TIMEOUT = datetime.timedelta(seconds=90)
@@ -61,9 +61,16 @@ def _scenarios() -> dict[str, dict]:
                                              sparse="logical", sink="batch")
         out[f"{grid}-sparse-logical-window"] = dict(grid=grid, mask="sliding_window_causal", mask_kw={"window_size": 6}, page_size=4,
                                                     interleave=1, q_lora=False, sparse="logical", sink=None)
+        if GRIDS[grid][0] == 1:  # plan.run called directly too (all kv rows, return_lse)
+            out[f"{grid}-causal"]["direct"] = out[f"{grid}-sparse-logical"]["direct"] = True
         out[f"{grid}-sparse-physical"] = dict(grid=grid, mask="causal", mask_kw={}, page_size=4, interleave=None, q_lora=False,
                                               sparse="physical", sink="head", expect_error="physical_indices" if cp > 1 else None)
     out["cp2-longer-than-one-rank"] = dict(grid="cp2", kind="long")
+    # Row lists built in many small query chunks, rebuilt for every layer (tiny budgets).
+    out["cp2-small-chunks"] = dict(grid="cp2", mask="sliding_window_noncausal", mask_kw={"window_size": 9}, page_size=4,
+                                   interleave=None, q_lora=True, budgets=(16, 64), direct=True)
+    out["tp2cp2-sparse-small-chunks"] = dict(grid="tp2cp2", mask="chunked_causal", mask_kw={"chunk_size": 7}, page_size=4,
+                                             interleave=1, q_lora=False, sparse="logical", sink="head", budgets=(8, 8))
     return out
 
 
@@ -145,8 +152,19 @@ def _check_caches(ref: PagedLatentCache, mine: ContextParallelCache) -> None:
 
 
 def _run_scenario(grid, s: dict, seed: int) -> None:
+    from openmla.distributed import cp_plan
+
     if s.get("kind") == "long":
         return _run_long(grid, seed)
+    saved = cp_plan.ENTRY_BUDGET, cp_plan.KEEP_BUDGET
+    cp_plan.ENTRY_BUDGET, cp_plan.KEEP_BUDGET = s.get("budgets", saved)
+    try:
+        _run_steps(grid, s, seed)
+    finally:
+        cp_plan.ENTRY_BUDGET, cp_plan.KEEP_BUDGET = saved
+
+
+def _run_steps(grid, s: dict, seed: int) -> None:
     cfg = _config(s["q_lora"])
     ref_layer, layer = _layers(grid, cfg, seed)
     ref_cache, cache = _caches(grid, cfg, s["page_size"], s["interleave"])
@@ -166,7 +184,8 @@ def _run_scenario(grid, s: dict, seed: int) -> None:
         elif s.get("sink") == "batch":
             opts["attn_sink"] = torch.randn(len(ids), cfg.num_heads, generator=g)
         with torch.inference_mode():
-            want = ref_layer(hidden, ref_layer.plan(rb, **opts))
+            ref_plan = ref_layer.plan(rb, **opts)
+            want = ref_layer(hidden, ref_plan)
             if s.get("expect_error"):
                 try:
                     cache.plan(cb, scale=cfg.softmax_scale, **opts)
@@ -179,9 +198,26 @@ def _run_scenario(grid, s: dict, seed: int) -> None:
             got = layer(hidden, step)
         err = rel_err(got, want)
         assert err <= TOL, f"step {i}: rel err {err:.3g} > {TOL}"
+        if s.get("direct") and i < 2:
+            _check_direct(ref_layer, ref_plan, step, hidden)
         ref_cache.commit(rb)
         cache.commit(cb)
     _check_caches(ref_cache, cache)
+
+
+def _check_direct(ref_layer: LatentAttention, ref_plan, step, hidden: torch.Tensor) -> None:
+    """``ContextParallelPlan.run`` with every kv row and ``return_lse`` against ``MLAPlan.run`` (tp=1:
+    the same heads). Both rewrite the step's entries with the same values."""
+    c = ref_layer.config
+    with torch.inference_mode():
+        q, kv = ref_layer.project_q(hidden), ref_layer.kv_a_proj_with_mqa(hidden)
+        args = (q, kv, ref_layer.freqs_cis, ref_layer.kv_a_layernorm.weight, ref_layer.layer_idx, ref_layer.w_k, ref_layer.w_uk,
+                ref_layer.w_uv)
+        kw = dict(epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, return_lse=True)
+        want, want_lse = ref_plan.run(*args, **kw)
+        got, got_lse = step.run(*args, **kw)
+    assert_close(got, want, TOL, "direct run", 0)
+    assert_lse(got_lse, want_lse, TOL, 0)
 
 
 def _run_long(grid, seed: int) -> None:

@@ -145,7 +145,10 @@ def init_grid(
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(f"timeout: expected a positive datetime.timedelta, got {timeout!r}")
     if not dist.is_initialized():
-        dist.init_process_group(backend or _default_backend(), timeout=timeout)
+        backend = backend or _default_backend()
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:  # one GPU per process, as torchrun numbers them
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
     ranks = tuple(range(world)) if ranks is None else tuple(int(r) for r in ranks)
     if len(ranks) != tp * cp:

@@ -43,10 +43,10 @@ class TokenLayout:
 
     def count(self, x):
         """Global positions in ``[0, x)`` this rank holds (= the local position of the first one at or past ``x``)."""
-        I = self.interleave
-        return (x // self.period) * I + _clamp(x % self.period - self.rank * I, 0, I)
+        run = self.interleave
+        return (x // self.period) * run + _clamp(x % self.period - self.rank * run, 0, run)
 
     def global_position(self, j):
         """Global position of this rank's local position ``j``."""
-        I = self.interleave
-        return (j // I) * self.period + self.rank * I + j % I
+        run = self.interleave
+        return (j // run) * self.period + self.rank * run + j % run
