@@ -47,7 +47,7 @@ PAGE = 64
 
 
 def run_grid(grid, cfg, whole: LatentAttention, context: int, batch: int, reps: int) -> dict:
-    torch.set_num_threads(max(1, 2 // grid.size))  # 2 cores
+    torch.set_num_threads(1)  # one thread per rank: 2-thread processes thrash when the shared box is loaded
     layer = TensorParallelAttention(cfg, 0, grid=grid, dtype=torch.bfloat16)
     layer.load_hf_state_dict(whole.state_dict())
     pages = -(-(batch * context + 2 * 512 + batch * (reps + 2)) // PAGE) // grid.cp + 2 * batch + 4

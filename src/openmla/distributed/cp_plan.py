@@ -208,6 +208,9 @@ class ContextParallelPlan:
         T = self.num_tokens
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != T or not q.dtype.is_floating_point:
             raise ValueError(f"q: expected a float tensor [{T}, H, Dn+R], got {tuple(q.shape) if isinstance(q, torch.Tensor) else q!r}")
+        for name, t, rank in (("kv", kv, 2), ("kv_norm_gamma", kv_norm_gamma, 1), ("freqs_cis", freqs_cis, 2)):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                raise ValueError(f"{name}: expected a rank-{rank} tensor, got {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
         H = q.shape[1]
         L = kv_norm_gamma.shape[0]
         if not isinstance(w_uk, torch.Tensor) or w_uk.dim() != 3 or w_uk.shape[:2] != (H, L):
