@@ -36,6 +36,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     cfg = preset(args.preset, args.heads)
     dtype = DTYPES[args.dtype]
+    grid = None
+    if args.tp * args.cp > 1 or os.environ.get("WORLD_SIZE"):  # torchrun: heads over --tp ranks, cache over --cp
+        from .distributed.demo import demo_grid
+
+        grid = demo_grid(args, console)
     console.print(f"[bold]openmla demo[/]: {cfg.name} attention layer, {cfg.num_heads} heads "
                   f"(L={cfg.kv_lora_rank}, R={cfg.qk_rope_head_dim}, Dn={cfg.qk_nope_head_dim}, Dv={cfg.v_head_dim}, "
                   f"hidden={cfg.hidden_size}), {args.dtype}, page {args.page_size}, {torch.get_num_threads()} threads")
@@ -52,7 +57,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           prompt_range=(args.prompt_min, args.prompt_max), gen_range=(args.gen_min, args.gen_max),
                           page_size=args.page_size, num_pages=args.num_pages, dtype=dtype,
                           cache_dtype=_cache_dtype(args), backend=args.backend,
-                          seed=args.seed, check=not args.no_check, on_step=on_step)
+                          seed=args.seed, check=not args.no_check, on_step=on_step, grid=grid, interleave=args.interleave)
     peak = report.matmul_flops_per_s
     table = Table(title=f"openmla demo — backend {report.backend}, {args.dtype}, {cfg.num_heads} heads")
     for col in ("phase", "tokens", "steps", "seconds", "tokens/s", "achieved", "of matmul rate"):
@@ -74,6 +79,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       f"(tolerance {tol:g}) {verdict}")
     facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
     console.print(facts)
+    if grid is not None:
+        from .distributed.demo import print_ranks
+
+        print_ranks(grid, report, console)
     if report.check_error is not None and report.check_error > (2e-2 if dtype != torch.float32 else 1e-4):
         return 1
     return 0
@@ -163,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads split); run under torchrun")
+    d.add_argument("--cp", type=int, default=1, help="context-parallel ranks (cache split); run under torchrun")
+    d.add_argument("--interleave", type=int, default=None, help="CP: tokens per run on one rank (default: page size)")
+    d.add_argument("--timeout", type=float, default=120.0, help="seconds a collective waits for a missing rank")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="decode and prefill over context lengths and head counts, with baselines")

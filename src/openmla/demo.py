@@ -40,12 +40,14 @@ class PhaseStats:
     seconds: float = 0.0
     flops: int = 0
     steps: int = 0
+    bytes_sent: int = 0  # by this rank, over torch.distributed (0 in one process)
 
-    def add(self, tokens: int, seconds: float, flops: int) -> None:
+    def add(self, tokens: int, seconds: float, flops: int, bytes_sent: int = 0) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.flops += flops
         self.steps += 1
+        self.bytes_sent += bytes_sent
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,6 +76,7 @@ class DemoReport:
     check_error: float | None = None
     check_what: str = ""
     wall_seconds: float = 0.0
+    storage_bytes: int = 0  # this process's page pool
 
 
 def _init_weights(layer: LatentAttention, seed: int) -> None:
@@ -118,37 +121,56 @@ def run_demo(
     seed: int = 0,
     check: bool = True,
     on_step: Callable[[str, int, int], None] | None = None,
+    grid=None,
+    interleave: int | None = None,
 ) -> DemoReport:
-    """Serve ``num_requests`` requests; ``on_step(kind, finished, running)`` reports progress."""
+    """Serve ``num_requests`` requests; ``on_step(kind, finished, running)`` reports progress.
+
+    With a ``grid`` (``openmla.distributed.init_grid``; every rank runs this with the same
+    arguments) the layer's heads are split over its TP ranks and the cache over its CP ranks
+    (tokens in runs of ``interleave``); ``num_pages`` is then the whole grid's budget."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    layer = LatentAttention(config, 0, dtype=dtype, backend=backend, max_position=prompt_range[1] + gen_range[1] + 1)
-    _init_weights(layer, seed)
+    max_position = prompt_range[1] + gen_range[1] + 1
+    if grid is None:
+        layer = LatentAttention(config, 0, dtype=dtype, backend=backend, max_position=max_position)
+        _init_weights(layer, seed)
+    else:
+        from .distributed.demo import sharded_layer
+
+        layer = sharded_layer(config, grid, seed, dtype=dtype, backend=backend, max_position=max_position)
     longest = prompt_range[1] + gen_range[1]
     if num_pages is None:
         # Room for about half the batch limit at full length: admission control has work to do.
         num_pages = max(-(-longest // page_size) * max(2, max_running // 2 + 1), -(-longest // page_size) + 1)
-    cache = PagedLatentCache(1, num_pages, page_size, config.cache_head_dim, cache_dtype or dtype, rope_dim=config.qk_rope_head_dim)
+    if grid is None:
+        cache = PagedLatentCache(1, num_pages, page_size, config.cache_head_dim, cache_dtype or dtype, rope_dim=config.qk_rope_head_dim)
+    else:
+        from .distributed.demo import sharded_cache
+
+        cache = sharded_cache(grid, config, num_pages, page_size, cache_dtype or dtype, max_running, interleave)
     waiting = deque(Request(i, rng.randint(*prompt_range), rng.randint(*gen_range)) for i in range(num_requests))
     running: dict[int, Request] = {}
     from .backends import resolve_backend_name
 
     report = DemoReport(config, resolve_backend_name(backend, torch.device("cpu")), dtype, matmul_rate(dtype=dtype),
-                        num_pages=num_pages, page_size=page_size, requests=num_requests, cache_format=cache.cache_format,
-                        bytes_per_token=cache.bytes_per_token)
+                        num_pages=cache.num_pages, page_size=page_size, requests=num_requests, cache_format=cache.cache_format,
+                        bytes_per_token=cache.bytes_per_token, storage_bytes=cache.blocks.numel() * cache.blocks.element_size())
     hidden_std = 1.0
     t_start = time.perf_counter()
     finished = 0
 
-    def step(ids: list[int], counts: list[int]) -> tuple[CacheBatch, torch.Tensor, torch.Tensor, float]:
+    def step(ids: list[int], counts: list[int]) -> tuple[CacheBatch, torch.Tensor, torch.Tensor, float, int]:
         batch = cache.prepare(ids, counts)
         hidden = torch.randn(sum(counts), config.hidden_size, dtype=dtype) * hidden_std
+        sent = grid.stats.bytes_sent if grid is not None else 0
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = layer(hidden, batch)
         dt = time.perf_counter() - t0
+        sent = grid.stats.bytes_sent - sent if grid is not None else 0
         report.peak_pages = max(report.peak_pages, cache.pages_in_use)
-        return batch, hidden, out, dt
+        return batch, hidden, out, dt, sent
 
     while waiting or running:
         # Admit as many waiting requests as the batch limit and the page pool allow.
@@ -162,10 +184,10 @@ def run_demo(
             admit.append(waiting.popleft())
         if admit:
             ids, counts = [r.rid for r in admit], [r.prompt_len for r in admit]
-            batch, hidden, out, dt = step(ids, counts)
+            batch, hidden, out, dt, sent = step(ids, counts)
             decode_form = max(counts) <= DECODE_MAX_Q_LEN
             flops = fused_op_flops(config, [0] * len(ids), counts, decode_form) + projection_flops(config, sum(counts))
-            report.prefill.add(sum(counts), dt, flops)
+            report.prefill.add(sum(counts), dt, flops, sent)
             cache.commit(batch)
             for r in admit:
                 r.generated = 1  # the prefill step yields the first token
@@ -178,9 +200,9 @@ def run_demo(
             break
         ids = list(running)
         cache_lens = [cache.length(i) for i in ids]
-        batch, hidden, out, dt = step(ids, [1] * len(ids))
+        batch, hidden, out, dt, sent = step(ids, [1] * len(ids))
         flops = fused_op_flops(config, cache_lens, [1] * len(ids), True) + projection_flops(config, len(ids))
-        report.decode.add(len(ids), dt, flops)
+        report.decode.add(len(ids), dt, flops, sent)
         if check and report.check_error is None and len(ids) >= 2:
             report.check_error = _reference_check(layer, hidden, batch, out)
             report.check_what = f"decode step of {len(ids)} sequences ({sum(cache_lens)} cached tokens)"

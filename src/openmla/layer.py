@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -256,7 +256,7 @@ class LatentAttention(nn.Module):
         hf_cfg = _read_json(os.path.join(folder, "config.json"), "folder")
         config = MLAConfig.from_hf(hf_cfg)
         layer = cls(config, layer_idx, dtype=dtype, device=device, backend=backend, max_position=max_position)
-        tensors = _read_layer_tensors(folder, layer_idx)
+        tensors = read_layer_tensors(folder, layer_idx)
         quant = hf_cfg.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size") or _DEFAULT_FP8_BLOCK)
         layer.load_hf_state_dict(tensors, strict=True, fp8_block_size=block)  # type: ignore[arg-type]
@@ -359,8 +359,10 @@ def _layer_keys(keys: Iterable[str], layer_idx: int) -> list[str]:
     return picked
 
 
-def _read_layer_tensors(folder: str, layer_idx: int) -> dict[str, torch.Tensor]:
-    """This layer's attention tensors from ``model.safetensors`` or the shards an index names."""
+def read_layer_tensors(folder: str, layer_idx: int, read: Callable[[str, Any], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Layer ``layer_idx``'s attention tensors (full keys) from ``model.safetensors`` or the shards
+    an index names. ``read(key, handle)`` reads one tensor from an open ``safetensors.safe_open``
+    handle (default ``handle.get_tensor(key)``; a tensor-parallel shard reads only its rows)."""
     from safetensors import safe_open  # optional dependency (openmla[hf])
 
     index_path = os.path.join(folder, "model.safetensors.index.json")
@@ -379,7 +381,7 @@ def _read_layer_tensors(folder: str, layer_idx: int) -> dict[str, torch.Tensor]:
     for fname, keys in by_file.items():
         with safe_open(os.path.join(folder, fname), framework="pt") as f:
             for key in keys:
-                tensors[key] = f.get_tensor(key)
+                tensors[key] = f.get_tensor(key) if read is None else read(key, f)
     if not tensors:
         raise ValueError(f"layer_idx: no 'layers.{layer_idx}.self_attn.*' tensors in {folder!r}")
     return tensors

@@ -89,13 +89,29 @@ class MaskVariant:
 
     def key_range(self, q_lo: int, q_hi: int, kv_len: int) -> tuple[int, int]:
         """Half-open key range ``[lo, hi)`` that can hold visible keys for queries at positions
-        ``q_lo..q_hi`` (inclusive), clipped to ``[0, kv_len)``. Used to skip key blocks."""
+        ``q_lo..q_hi`` (inclusive), clipped to ``[0, kv_len)``. Used to skip key blocks. For one
+        query (``q_lo == q_hi``) it is exactly the query's visible interval. Ints, or integer
+        tensors (elementwise)."""
         kind = self.kind
         lo, hi = 0, kv_len
         if self.is_causal:
-            hi = min(kv_len, q_hi + 1)
+            hi = _minimum(kv_len, q_hi + 1)
         if kind in (MaskKind.SLIDING_WINDOW_CAUSAL, MaskKind.SLIDING_WINDOW_NONCAUSAL):
-            lo = max(0, q_lo - self.window_size + 1)
+            lo = _maximum(0, q_lo - self.window_size + 1)
         elif kind == MaskKind.CHUNKED_CAUSAL:
             lo = (q_lo // self.chunk_size) * self.chunk_size
-        return lo, max(lo, hi)
+        return lo, _maximum(lo, hi)
+
+
+def _minimum(a, b):
+    """``min`` of ints or integer tensors (elementwise)."""
+    if isinstance(a, torch.Tensor):
+        return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp_max(b)
+    return b.clamp_max(a) if isinstance(b, torch.Tensor) else min(a, b)
+
+
+def _maximum(a, b):
+    """``max`` of ints or integer tensors (elementwise)."""
+    if isinstance(a, torch.Tensor):
+        return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp_min(b)
+    return b.clamp_min(a) if isinstance(b, torch.Tensor) else max(a, b)
