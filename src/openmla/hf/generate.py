@@ -113,6 +113,7 @@ def _run(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampli
         while not sched.done:
             t0 = time.perf_counter()
             step = sched.schedule()
+            pages = cache.pages_in_use
             seqs, rows = step.sampled()
             logits = forward_step(model, step.batch, step.input_ids(), torch.tensor(rows, dtype=torch.long))
             sched.complete(step)
@@ -126,7 +127,7 @@ def _run(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampli
                 events.append(TokenEvent(s.index, tok, reason, logits[j].float() if return_logits else None))
             if stats is not None:
                 stats.steps.append(StepRecord(len(step.seqs), step.num_tokens - step.decode_tokens, step.decode_tokens,
-                                              sum(step.batch.cache_lengths_list), time.perf_counter() - t0))
+                                              sum(step.batch.cache_lengths_list), pages, time.perf_counter() - t0))
                 stats.generated_tokens += len(tokens)
                 stats.preemptions = sched.preemptions
             yield from events

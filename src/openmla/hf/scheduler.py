@@ -2,7 +2,8 @@
 
 Every step packs, within ``Limits.max_batch_tokens``: one token for each decoding sequence,
 then the next chunk of each sequence still prefilling, then the first chunk of waiting
-requests admitted while the free pages and ``Limits.max_running`` allow. When the running
+requests admitted while ``Limits.max_running`` allows and the free pages hold their whole
+prompts (plus a page of decode headroom per running sequence). When the running
 sequences need more pages than are free (``PagedLatentCache.prepare`` raises ``CacheFullError``
 and changes nothing), the newest running sequence is preempted: its pages are released and it
 waits at the head of the queue, to be prefilled again from its prompt and the tokens it has
@@ -107,6 +108,10 @@ class Scheduler:
             return math.ceil(n / ps)
         return max(0, math.ceil((seq.computed + n) / ps) - len(self.cache.pages(seq.key)))
 
+    def _pages_to_hold_all(self, seq: Sequence) -> int:
+        """Pages ``seq`` still needs to hold every token it has now (its whole prompt, say)."""
+        return self._pages_needed(seq, seq.pending)
+
     def _pick(self) -> list[tuple[Sequence, int]]:
         budget = self.limits.max_batch_tokens
         picks: list[tuple[Sequence, int]] = []
@@ -116,14 +121,18 @@ class Scheduler:
                     n = min(s.pending, budget)
                     picks.append((s, n))
                     budget -= n
-        free = self.cache.num_free_pages - sum(self._pages_needed(s, n) for s, n in picks)
+        # Admission: every running and admitted sequence must be able to hold all its tokens (a whole
+        # prompt, so a chunked prefill is not preempted half way) plus a page of decode headroom. A
+        # request alone may take the whole cache (its fit was checked up front).
+        free = self.cache.num_free_pages - sum(self._pages_to_hold_all(s) + 1 for s in self.running)
         while self.waiting and budget and len(self.running) < self.limits.max_running:
             s = self.waiting[0]
-            n = min(s.pending, budget)
-            need = self._pages_needed(s, n)
-            if need > free:
+            need = self._pages_to_hold_all(s)
+            alone = not self.running and need <= self.cache.num_free_pages
+            if need + 1 > free and not alone:
                 break
-            free -= need
+            free -= need + 1
+            n = min(s.pending, budget)
             budget -= n
             self.running.append(self.waiting.popleft())
             picks.append((s, n))

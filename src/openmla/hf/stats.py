@@ -13,6 +13,7 @@ class StepRecord:
     prefill_tokens: int  # prompt tokens (and tokens re-prefilled after a preemption)
     decode_tokens: int  # generated tokens fed back, one per decoding sequence
     cached_tokens: int  # tokens already in the cache for those sequences
+    pages_in_use: int  # cache pages held after the step's reservation
     seconds: float  # wall time of the step: scheduling, forward, sampling
 
 
@@ -27,6 +28,10 @@ class GenerationStats:
     @property
     def seconds(self) -> float:
         return sum(s.seconds for s in self.steps)
+
+    @property
+    def peak_pages(self) -> int:
+        return max((s.pages_in_use for s in self.steps), default=0)
 
     @property
     def prefill_tokens(self) -> int:
