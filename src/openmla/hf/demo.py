@@ -77,7 +77,7 @@ def run_model_demo(
     config = tiny_v3_config()
     model = transformers.DeepseekV3ForCausalLM(config).to(dtype).eval()
     prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
-    with torch.inference_mode():  # transformers alone: the next-token logits of request 0
+    with torch.no_grad():  # transformers alone: the next-token logits of request 0
         want = model(torch.tensor([prompts[0]])).logits[0, -1].float()
     longest = prompt_range[1] + max_new_tokens
     if num_pages is None:  # room for about half the running limit at full length: requests have to wait

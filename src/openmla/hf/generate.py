@@ -49,9 +49,9 @@ def _check_prompts(prompts: Seq, vocab_size: int, capacity: int, max_new_tokens:
             raise ValueError(f"prompts[{i}]: expected a list of token ids (ints)")
         if not p:
             raise ValueError(f"prompts[{i}]: is empty")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompts[{i}]: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
         need = len(p) + max_new_tokens - 1  # the last generated token is never fed back
         if need > capacity:
             raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_new_tokens {max_new_tokens} need {need} cache slots, "

@@ -38,7 +38,7 @@ def last_rows(batch: CacheBatch) -> list[int]:
     return [o - 1 if n else -1 for o, n in zip(batch.offsets_list[1:], batch.new_tokens_list)]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the torch backend keeps scratch tensors across calls, which must stay writable outside it
 def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
     """Run ``model`` on one packed step; returns the logits ``[len(logit_rows), vocab]`` of those rows.
 
