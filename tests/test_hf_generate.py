@@ -147,6 +147,20 @@ def test_requests_wait_for_pages_and_are_preempted(reference):
     assert cache.num_free_pages == cache.num_pages and cache.sequences == []
 
 
+def test_a_cache_that_holds_every_request_runs_them_together(tiny_path):
+    """Admission counts the pages running sequences already hold: four 16-token prompts, 5 new
+    tokens each, in exactly the 20 pages of 4 their whole lives take, admitted over two steps
+    (a 32-token budget) all run together, with no preemption."""
+    model = load(tiny_path)
+    cache = attach(model, num_pages=20, page_size=4)
+    prompts = [list(range(i, i + 16)) for i in range(4)]
+    stats = GenerationStats()
+    generate(model, prompts, 5, limits=Limits(max_batch_tokens=32), stats=stats)
+    assert stats.preemptions == 0
+    assert max(s.sequences for s in stats.steps) == 4
+    assert stats.peak_pages == 20 and cache.num_free_pages == 20
+
+
 # attach / detach --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
