@@ -72,15 +72,19 @@ def slope_ms(times: list[float]) -> float:
     return 1e3 * num / den
 
 
-def summarise(name: str, wall: float, cpu: float, generated: int, decode_steps: list[float], decode_tokens: int) -> dict:
-    head, tail = decode_steps[:8], decode_steps[-8:]
+def summarise(name: str, wall: float, cpu: float, generated: int, decode_steps: list[float], decode_tokens: int,
+              full_steps: list[float]) -> dict:
+    """``decode_steps``: seconds of every decode-only step; ``full_steps``: those with the whole batch
+    decoding (their time against the step index is the flatness check)."""
+    head, tail = full_steps[:8], full_steps[-8:]
     row = dict(impl=name, wall_s=wall, cpu_s=cpu, generated=generated, tokens_per_s=generated / wall,
                decode_tokens_per_s=decode_tokens / sum(decode_steps) if decode_steps else 0.0,
-               decode_steps=len(decode_steps), first8_ms=1e3 * sum(head) / max(len(head), 1),
-               last8_ms=1e3 * sum(tail) / max(len(tail), 1), slope_ms_per_step=slope_ms(decode_steps),
+               decode_steps=len(decode_steps), full_batch_steps=len(full_steps), first8_ms=1e3 * sum(head) / max(len(head), 1),
+               last8_ms=1e3 * sum(tail) / max(len(tail), 1), slope_ms_per_step=slope_ms(full_steps),
                step_ms=[round(1e3 * t, 2) for t in decode_steps])
     print(f"{name:8s} wall {wall:7.2f} s  cpu {cpu:7.2f} s  {row['tokens_per_s']:7.2f} tok/s  decode {row['decode_tokens_per_s']:7.2f} tok/s  "
-          f"step {row['first8_ms']:.1f} -> {row['last8_ms']:.1f} ms (slope {row['slope_ms_per_step']:+.2f} ms/step)", flush=True)
+          f"full-batch step {row['first8_ms']:.1f} -> {row['last8_ms']:.1f} ms over {len(full_steps)} steps "
+          f"(slope {row['slope_ms_per_step']:+.2f} ms/step)", flush=True)
     return row
 
 
@@ -96,8 +100,10 @@ def run_openmla(model, prompts: list[list[int]], new: int, page_size: int, max_b
     finally:
         detach(model)
     steps = stats.decode_only()
-    row = summarise("openmla", wall, cpu, sum(map(len, out)), [s.seconds for s in steps], sum(s.decode_tokens for s in steps))
+    row = summarise("openmla", wall, cpu, sum(map(len, out)), [s.seconds for s in steps], sum(s.decode_tokens for s in steps),
+                    [s.seconds for s in steps if s.decode_tokens == len(prompts)])
     row["steps"] = len(stats.steps)
+    row["preemptions"] = stats.preemptions
     row["tokens"] = out
     return row
 
@@ -126,7 +132,7 @@ def run_transformers(model, prompts: list[list[int]], new: int, impl: str) -> di
         out = model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([clock]), **kwargs)
         wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]  # the forwards of tokens 2..new
-    row = summarise(impl, wall, cpu, (out.shape[1] - ids.shape[1]) * ids.shape[0], steps, len(steps) * ids.shape[0])
+    row = summarise(impl, wall, cpu, (out.shape[1] - ids.shape[1]) * ids.shape[0], steps, len(steps) * ids.shape[0], steps)
     row["tokens"] = out[:, ids.shape[1]:].tolist()
     return row
 
@@ -153,6 +159,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--quick", action="store_true", help="a tiny model and batch: checks the script runs")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -160,6 +167,8 @@ def main() -> None:
         args.batch, args.prompt, args.new = 3, 40, 6
     import transformers
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = machine()
     print(f"{info['cpu']} (AMX bf16: {info['amx_bf16']}), {info['threads']} threads, load {info['load_before']}", flush=True)
     torch.manual_seed(0)

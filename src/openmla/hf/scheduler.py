@@ -3,7 +3,7 @@
 Every step packs, within ``Limits.max_batch_tokens``: one token for each decoding sequence,
 then the next chunk of each sequence still prefilling, then the first chunk of waiting
 requests admitted while ``Limits.max_running`` allows and the free pages hold their whole
-prompts (with a spare page). When the running sequences need more pages than are free
+prompts. When the running sequences need more pages than are free
 (``PagedLatentCache.prepare`` raises ``CacheFullError`` and changes nothing), the newest
 running sequence is preempted: its pages are released and it waits at the head of the queue,
 to be prefilled again from its prompt and the tokens it has generated so far. The oldest running sequence always makes progress, so every request finishes.
@@ -19,10 +19,6 @@ from typing import Hashable
 import torch
 
 from ..cache import CacheBatch, CacheFullError, PagedLatentCache
-
-# Pages an admission must leave free: room for the running decodes to cross a page boundary
-# without preempting the request just admitted (more only delays admissions).
-ADMIT_SPARE_PAGES = 1
 
 
 @dataclass(frozen=True)
@@ -124,15 +120,14 @@ class Scheduler:
                     n = min(s.pending, budget)
                     picks.append((s, n))
                     budget -= n
-        # Admission: the running sequences and the admitted one must hold all their tokens (a whole
-        # prompt, so a chunked prefill is not preempted half way), with ADMIT_SPARE_PAGES left over.
-        # A request alone may take the whole cache (its fit was checked up front).
+        # Admission: the running sequences and the admitted one must be able to hold all their
+        # tokens (a whole prompt, so a request is not admitted to be preempted half way through its
+        # prefill); decodes that outgrow the pages later preempt the newest sequence.
         free = self.cache.num_free_pages - sum(self._pages_to_hold_all(s) for s in self.running)
         while self.waiting and budget and len(self.running) < self.limits.max_running:
             s = self.waiting[0]
             need = self._pages_to_hold_all(s)
-            alone = not self.running and need <= free
-            if need + ADMIT_SPARE_PAGES > free and not alone:
+            if need > free:
                 break
             free -= need
             n = min(s.pending, budget)
