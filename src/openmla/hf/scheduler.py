@@ -2,11 +2,12 @@
 
 Every step packs, within ``Limits.max_batch_tokens``: one token for each decoding sequence,
 then the next chunk of each sequence still prefilling, then the first chunk of waiting
-requests admitted while ``Limits.max_running`` allows and the free pages hold their whole
-prompts. When the running sequences need more pages than are free
-(``PagedLatentCache.prepare`` raises ``CacheFullError`` and changes nothing), the newest
-running sequence is preempted: its pages are released and it waits at the head of the queue,
-to be prefilled again from its prompt and the tokens it has generated so far. The oldest running sequence always makes progress, so every request finishes.
+requests, admitted while ``Limits.max_running`` allows and the free pages can hold their whole
+prompts. When the running sequences need more pages than are free (``PagedLatentCache.prepare``
+raises ``CacheFullError`` and changes nothing), the newest running sequence is preempted: its
+pages are released and it waits at the head of the queue, to be prefilled again from its prompt
+and the tokens it has generated so far. The oldest running sequence always makes progress, so
+every request finishes.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class Scheduler:
         # tokens (a whole prompt, so a request is not admitted to be preempted half way through its
         # prefill); decodes that outgrow the pages later preempt the newest sequence.
         free = self.cache.num_free_pages - sum(self._pages_to_hold_all(s) for s in self.running)
+        # Each admission takes budget left after every running sequence got its tokens, so at most
+        # max_batch_tokens sequences run and no decode is ever skipped.
         while self.waiting and budget and len(self.running) < self.limits.max_running:
             s = self.waiting[0]
             need = self._pages_to_hold_all(s)
@@ -151,8 +154,8 @@ class Scheduler:
             picks = self._pick()
             if not picks:
                 head = self.waiting[0]
-                raise CacheFullError(f"request {head.index} needs {self._pages_needed(head, min(head.pending, self.limits.max_batch_tokens))} "
-                                     f"pages to start and only {self.cache.num_free_pages} are free: other sequences hold the cache")
+                raise CacheFullError(f"request {head.index} needs {self._pages_to_hold_all(head)} pages to start and only "
+                                     f"{self.cache.num_free_pages} are free: other sequences hold the cache")
             seqs, counts = [s for s, _ in picks], [n for _, n in picks]
             try:
                 batch = self.cache.prepare([s.key for s in seqs], counts)
