@@ -34,6 +34,7 @@ class Attachment:
     layers: list[AttachedAttention]
     originals: list[nn.Module]
     previous_attn_implementation: str | None
+    backend: str | None = None  # the openmla backend asked for (None: automatic per device)
 
 
 def _not_attached(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -105,7 +106,7 @@ def attach(
         raise ValueError(f"model: {type(model).__name__} does not accept a custom attention implementation")
     for layer, module in zip(layers, attached):
         layer.self_attn = module
-    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous))
+    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend))
     return cache
 
 

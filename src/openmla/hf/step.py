@@ -20,7 +20,7 @@ def step_context(state: Attachment, batch: CacheBatch) -> CacheBatch:
     """The attention context every layer of one step receives.
 
     Today ``LatentAttention`` takes the step's ``CacheBatch`` itself; this is the one place to
-    build a per-step plan instead (``state.config`` holds the softmax scale and rope settings).
+    build a per-step plan instead (``state.config.softmax_scale``, ``state.backend``).
     """
     return batch
 
