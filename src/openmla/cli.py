@@ -1,4 +1,4 @@
-"""``openmla demo | bench | check``: the main job, a smoke test for a new machine, the benchmarks."""
+"""``openmla demo | bench | check | generate``: the main job, a smoke test for a new machine, the benchmarks, whole models."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def _si(x: float, unit: str) -> str:
 # demo --------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+
+    if args.model != "layer":  # a whole transformers model (openmla.hf)
+        from .hf.cli import cmd_model_demo
+
+        return cmd_model_demo(args)
 
     cfg = preset(args.preset, args.heads)
     dtype = DTYPES[args.dtype]
@@ -157,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="serve a stream of requests through one MLA layer (continuous batching)")
+    d.add_argument("--model", default="layer", choices=["layer", "tiny-v3"],
+                   help="layer: one attention layer (default); tiny-v3: a small random whole DeepSeek-V3-shaped model")
     d.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     d.add_argument("--heads", type=int, default=16, help="query heads in this shard (default 16: V3 over TP=8)")
     d.add_argument("--requests", type=int, default=24)
@@ -196,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", default=None, choices=["torch", "triton"])
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=cmd_check)
+
+    from .hf.cli import add_generate_parser  # openmla generate MODEL_DIR (needs transformers when run)
+
+    add_generate_parser(sub, DTYPES, CACHE_DTYPES)
     return p
 
 

@@ -82,7 +82,7 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
-    key = (name, dtype, device)
+    key = (name, dtype, device, torch.is_inference_mode_enabled())  # inference tensors cannot be written outside it
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = _alloc((numel,), dtype, device)

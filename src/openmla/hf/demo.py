@@ -1,0 +1,110 @@
+"""``openmla demo --model tiny-v3``: a whole random DeepSeek-V3-shaped model generating on openmla.
+
+The model is transformers' ``DeepseekV3ForCausalLM`` with DeepSeek-V3's attention dimensions
+(L=512, R=64, Dn=128, Dv=128, q_lora 1536-style low-rank queries, YaRN rope) but few heads,
+few layers and a small MoE, with random weights, so it runs on a laptop CPU in seconds. A
+stream of requests is served with continuous batching on the paged latent cache; the first
+token's logits of one request are checked against the same model run by transformers alone.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attach import attach, detach
+from .generate import TokenEvent, stream
+from .scheduler import Limits
+from .stats import GenerationStats
+
+
+def tiny_v3_config(*, heads: int = 8, layers: int = 4, vocab_size: int = 8192):
+    """A small DeepSeek-V3-shaped transformers config: V3's attention dims, a 16-expert MoE."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        kv_lora_rank=512, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+        moe_intermediate_size=256, first_k_dense_replace=1, max_position_embeddings=163840,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                             beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        rope_interleave=True, tie_word_embeddings=False,
+    )
+
+
+@dataclass
+class ModelDemoReport:
+    model: str
+    parameters: int
+    dtype: torch.dtype
+    stats: GenerationStats
+    requests: int
+    num_pages: int
+    page_size: int
+    pages_in_use_at_end: int
+    check_error: float
+    check_what: str
+    wall_seconds: float
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def run_model_demo(
+    *,
+    num_requests: int = 16,
+    prompt_range: tuple[int, int] = (16, 256),
+    max_new_tokens: int = 32,
+    max_running: int = 8,
+    max_batch_tokens: int = 512,
+    page_size: int = 64,
+    num_pages: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: torch.dtype | str | None = None,
+    backend: str | None = None,
+    seed: int = 0,
+    on_event: Callable[[TokenEvent], None] | None = None,
+) -> ModelDemoReport:
+    """Build the model, serve ``num_requests`` random prompts, and check one request against transformers."""
+    import transformers
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    config = tiny_v3_config()
+    model = transformers.DeepseekV3ForCausalLM(config).to(dtype).eval()
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
+    with torch.no_grad():  # transformers alone: the next-token logits of request 0
+        want = model(torch.tensor([prompts[0]])).logits[0, -1].float()
+    longest = prompt_range[1] + max_new_tokens
+    if num_pages is None:  # room for about half the running limit at full length: requests have to wait
+        num_pages = -(-longest // page_size) * max(2, max_running // 2)
+    cache = attach(model, num_pages=num_pages, page_size=page_size, cache_dtype=cache_dtype, backend=backend)
+    stats = GenerationStats()
+    outputs: list[list[int]] = [[] for _ in prompts]
+    first: torch.Tensor | None = None
+    t0 = time.perf_counter()
+    try:
+        for ev in stream(model, prompts, max_new_tokens, limits=Limits(max_batch_tokens=max_batch_tokens, max_running=max_running),
+                         stats=stats, return_logits=True):
+            if ev.request == 0 and first is None:
+                first = ev.logits
+            outputs[ev.request].append(ev.token)
+            if on_event is not None:
+                on_event(ev)
+        wall = time.perf_counter() - t0
+        in_use = cache.pages_in_use
+    finally:
+        detach(model)
+    err = float((first - want).abs().max() / want.abs().max())
+    return ModelDemoReport(
+        model=f"tiny-v3 ({config.num_hidden_layers} layers, {config.num_attention_heads} heads, L=512 R=64 Dn=128 Dv=128, "
+              f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, vocab {config.vocab_size})",
+        parameters=sum(p.numel() for p in model.parameters()), dtype=dtype, stats=stats, requests=num_requests,
+        num_pages=num_pages, page_size=page_size, pages_in_use_at_end=in_use, check_error=err,
+        check_what=f"request 0's first-token logits ({len(prompts[0])}-token prompt) vs transformers alone",
+        wall_seconds=wall, outputs=outputs,
+    )

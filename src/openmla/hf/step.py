@@ -1,0 +1,58 @@
+"""One packed ragged step of an attached model: every sequence's new tokens in one forward.
+
+The step's tokens go to transformers as ``input_ids [1, T]`` with per-token ``position_ids``
+(each sequence's cached length onward); the attention context, made once per step by
+``step_context``, reaches every attached layer through transformers' keyword arguments.
+Only the rows whose next token is wanted go through ``lm_head`` (``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache import CacheBatch
+from ..planning import MLAPlan, plan
+from .attach import Attachment, attachment
+from .attention import STEP_KWARG
+
+
+def step_context(state: Attachment, batch: CacheBatch) -> MLAPlan:
+    """The attention context every layer of one step receives: one plan, made once per step."""
+    return plan(batch, scale=state.config.softmax_scale, backend=state.backend)
+
+
+def step_positions(batch: CacheBatch) -> torch.Tensor:
+    """int64 ``[T]``: the position of every new token of ``batch`` (its sequence's cached length onward)."""
+    counts = torch.tensor(batch.new_tokens_list, dtype=torch.long)
+    starts = torch.tensor(batch.cache_lengths_list, dtype=torch.long) - torch.tensor(batch.offsets_list[:-1], dtype=torch.long)
+    total = int(counts.sum())
+    return torch.arange(total, dtype=torch.long) + starts.repeat_interleave(counts)
+
+
+def last_rows(batch: CacheBatch) -> list[int]:
+    """The row of each sequence's last new token in the packed step (-1 for a sequence with none)."""
+    return [o - 1 if n else -1 for o, n in zip(batch.offsets_list[1:], batch.new_tokens_list)]
+
+
+@torch.no_grad()  # not inference_mode: the torch backend keeps scratch tensors across calls, which must stay writable outside it
+def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+    """Run ``model`` on one packed step; returns the logits ``[len(logit_rows), vocab]`` of those rows.
+
+    ``batch`` comes from the attached cache's ``prepare`` (the caller commits it afterwards);
+    ``input_ids`` int64 ``[T]`` are the step's new tokens in ``batch``'s row order;
+    ``logit_rows`` int64 ``[n]`` picks the rows whose logits are wanted.
+    """
+    state = attachment(model)
+    T = batch.offsets_list[-1] if batch.offsets_list else 0
+    if input_ids.dim() != 1 or input_ids.shape[0] != T:
+        raise ValueError(f"input_ids: expected [{T}] (the batch's new tokens), got {tuple(input_ids.shape)}")
+    device = state.cache.blocks.device
+    out = model(
+        input_ids=input_ids.to(device)[None],
+        position_ids=step_positions(batch).to(device)[None],
+        use_cache=False,
+        logits_to_keep=logit_rows.to(device),
+        **{STEP_KWARG: step_context(state, batch)},
+    )
+    return out.logits[0]

@@ -1,0 +1,81 @@
+"""``openmla generate`` on a tiny checkpoint folder, and ``openmla demo --model tiny-v3``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from openmla.cli import main  # noqa: E402
+from openmla.hf import attach, generate  # noqa: E402
+from test_hf_generate import load, one_thread, save_tiny  # noqa: E402,F401  (one_thread: autouse fixture)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps lines at the terminal width
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    save_tiny(path, "v3", q_lora=True, moe=True, yarn=True)
+    return path
+
+
+def test_generate_prints_the_library_tokens_and_a_rate(folder, capsys):
+    prompts = [[5, 17, 3, 99, 4], [8, 1]]
+    model = load(folder)
+    attach(model, num_pages=8, page_size=16)
+    want = generate(model, prompts, 5)
+    rc = main(["generate", str(folder), "--prompt-ids", "5,17,3,99,4", "--prompt-ids", "8 1", "--max-new-tokens", "5", "--dtype", "fp32"])
+    out = flat(capsys.readouterr().out)
+    assert rc == 0, out
+    for ids in want:
+        assert " ".join(map(str, ids)) in out
+    assert "10 tokens generated" in out and "tokens/s" in out and "no tokenizer" in out
+
+
+def test_generate_from_a_prompts_file(folder, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text("1 2 3\n\n4,5\n7\n")
+    rc = main(["generate", str(folder), "--prompts-file", str(f), "--max-new-tokens", "3", "--temperature", "0.8", "--seed", "1",
+               "--page-size", "4", "--max-batch-tokens", "4"])
+    out = flat(capsys.readouterr().out)
+    assert rc == 0, out
+    assert "9 tokens generated" in out
+
+
+def test_generate_with_the_folder_tokenizer(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    save_tiny(tmp_path, "v3", q_lora=False, moe=False, yarn=False)
+    vocab = {w: i for i, w in enumerate(["<unk>"] + [f"w{i}" for i in range(255)])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins the words with spaces
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(tmp_path)
+    rc = main(["generate", str(tmp_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--dtype", "fp32"])
+    out = flat(capsys.readouterr().out)
+    assert rc == 0, out
+    assert "4 tokens generated" in out and "no tokenizer" not in out
+    assert out.count(" w") >= 4  # the generated ids are printed as words
+
+
+def test_generate_bad_input_is_an_error_line(folder, tmp_path, capsys):
+    assert main(["generate", str(folder), "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids #1" in capsys.readouterr().out
+    assert main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "no config.json" in capsys.readouterr().out
+    assert main(["generate", str(folder), "--prompt", "hello"]) == 2
+    assert "tokenizer" in capsys.readouterr().out
+    assert main(["generate", str(folder), "--prompt-ids", "1,2", "--num-pages", "1", "--page-size", "4", "--max-new-tokens", "8"]) == 2
+    assert "cache holds 4" in flat(capsys.readouterr().out)
+
+
+def test_demo_tiny_v3_serves_every_request(capsys):
+    torch.manual_seed(0)
+    rc = main(["demo", "--model", "tiny-v3", "--requests", "3", "--prompt-min", "8", "--prompt-max", "40", "--gen-max", "3",
+               "--max-running", "2", "--page-size", "16"])
+    out = flat(capsys.readouterr().out)
+    assert rc == 0, out
+    assert "0 in use at the end" in out and "pass" in out and "9 tokens" in out
