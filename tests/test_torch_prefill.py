@@ -332,3 +332,13 @@ def test_row_max_through_bits(dtype):
     x[2, 1, 3] = -5.0
     got = tpre.row_max(x)
     assert torch.equal(got, x.amax(dim=-1))
+
+
+def test_scratch_survives_switching_inference_mode():
+    """Scratch buffers made under inference_mode must not be reused (written) outside it."""
+    case = prefill_case([4, 0], [9, 7])
+    with torch.inference_mode():
+        a, _ = torch_prefill(case)
+    with torch.no_grad():
+        b, _ = torch_prefill(case)
+    assert_close(b, a, 0.0, "no_grad after inference_mode", case.seed)
