@@ -28,6 +28,11 @@ FORMAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, "fp8_e4m3
 _bf16_gemm: list[bool] = []
 
 
+def poison_scratch() -> None:
+    """Test hook: fill every thread's scratch memory with NaN bytes."""
+    build.ops().poison_scratch()
+
+
 def available() -> bool:
     """True when the kernels are built and loaded (builds them on first call)."""
     return build.load()
@@ -70,6 +75,11 @@ class PagedLayer:
     kv_scale: float = 1.0
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Every output the kernels fill completely comes from here (tests swap in a NaN fill)."""
+    return torch.empty(shape, dtype=dtype)
+
+
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -89,11 +99,14 @@ def decode(
     sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
     idx = None if sparse_indices is None else _int32(sparse_indices)
     topk = None if topk_lengths is None else _int32(topk_lengths)
-    return build.ops().decode(
+    T, H, _ = q.shape
+    out, lse = _alloc((T, H, kv_lora_rank), dtype), _alloc((T, H), torch.float32)
+    build.ops().decode(
         q.to(dtype).contiguous(), cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
         cache.fmt, float(cache.kv_scale), kv_lora_rank, float(scale), *_mask_args(mask), idx, topk, bool(physical), sink,
-        int(num_partitions or 0),
+        int(num_partitions or 0), out, lse,
     )
+    return out, lse
 
 
 def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamma: torch.Tensor, cache: PagedLayer, *,
@@ -104,11 +117,14 @@ def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamm
     ``cache_lengths[b] + i``."""
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     freqs = freqs_cis if freqs_cis.stride(-1) == 1 else freqs_cis.contiguous()
-    return build.ops().write_cache(
-        q.contiguous(), kv, freqs, gamma.to(torch.float32).contiguous(), cache.pages, _int32(cache.block_table),
+    q = q.contiguous()
+    q_rot = _alloc(tuple(q.shape), q.dtype)
+    build.ops().write_cache(
+        q, kv, freqs, gamma.to(torch.float32).contiguous(), cache.pages, _int32(cache.block_table),
         _int32(cache.cache_lengths), _int32(cache.offsets), cache.fmt, float(cache.kv_scale), gamma.shape[0], float(epsilon),
-        bool(interleaved),
+        bool(interleaved), q_rot,
     )
+    return q_rot
 
 
 def gather(cache: PagedLayer, spans: list[tuple[int, int, int]], *, kv_lora_rank: int, rope_dim: int,
@@ -116,8 +132,10 @@ def gather(cache: PagedLayer, spans: list[tuple[int, int, int]], *, kv_lora_rank
     """Entry columns ``cols`` of the cache rows of ``spans`` (sequence, first position, count),
     end to end: ``[sum(count), cols[1]-cols[0]]`` in ``dtype``, dequantised."""
     idx = torch.tensor(spans, dtype=torch.int64).reshape(-1, 3).t().contiguous()
-    return build.ops().gather(cache.pages, _int32(cache.block_table), idx[0], idx[1], idx[2], cache.fmt,
-                              float(cache.kv_scale), kv_lora_rank, rope_dim, cols[0], cols[1], dtype)
+    out = _alloc((int(idx[2].sum()), cols[1] - cols[0]), dtype)
+    build.ops().gather(cache.pages, _int32(cache.block_table), idx[0], idx[1], idx[2], cache.fmt, float(cache.kv_scale),
+                       kv_lora_rank, rope_dim, cols[0], cols[1], out)
+    return out
 
 
 @dataclass
@@ -130,7 +148,9 @@ class PrefillState:
 
     @classmethod
     def empty(cls, rows: int, v_depth: int) -> "PrefillState":
-        return cls(torch.empty(rows, v_depth), torch.empty(rows), torch.empty(rows))
+        """Undefined contents: the first chunk writes every row."""
+        f32 = torch.float32
+        return cls(_alloc((rows, v_depth), f32), _alloc((rows,), f32), _alloc((rows,), f32))
 
 
 def prefill_chunk(
@@ -146,10 +166,14 @@ def prefill_chunk(
     returns ``out [T, H, Dv]`` (compute dtype) and float32 ``lse [T, H]``."""
     sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
     st = (None, None, None) if state is None else (state.o, state.ref, state.sum)
-    return build.ops().prefill_chunk(
+    T, H, _ = q.shape
+    rows = T if last else 0
+    out, lse = _alloc((rows, H, v.shape[1] // H), q.dtype), _alloc((rows, H), torch.float32)
+    build.ops().prefill_chunk(
         q, k, v, rope, _int32(offsets), _int32(cache_lengths), spans[0].contiguous(), spans[1].contiguous(),
-        spans[2].contiguous(), float(scale), *_mask_args(mask), *st, bool(first), bool(last), sink,
+        spans[2].contiguous(), float(scale), *_mask_args(mask), *st, bool(first), bool(last), sink, out, lse,
     )
+    return out, lse
 
 
 def prefill(

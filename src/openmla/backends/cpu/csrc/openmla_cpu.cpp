@@ -23,6 +23,11 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "openmla cpu: ", name, " must be a contiguous CPU tensor");
 }
 
+void check_out(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype, const char* name) {
+  check_cpu_contiguous(t, name);
+  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == dtype, "openmla cpu: ", name, " must be ", dtype, " ", shape);
+}
+
 PagedCache paged_cache(const at::Tensor& pages, const at::Tensor& block_table, int64_t fmt, double kv_scale, int64_t L,
                        int64_t R) {
   TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.stride(2) == 1, "openmla cpu: pages must be [P, S, W] with unit last stride");
@@ -49,12 +54,13 @@ Mask make_mask(int64_t kind, int64_t window, int64_t chunk) {
   return Mask{kind, window, chunk};
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_op(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
+void decode_op(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
                                              const at::Tensor& cache_lens, const at::Tensor& offsets, int64_t fmt,
                                              double kv_scale, int64_t kv_lora_rank, double scale, int64_t mask_kind,
                                              int64_t window, int64_t chunk, const std::optional<at::Tensor>& sparse_indices,
                                              const std::optional<at::Tensor>& topk_lengths, bool physical,
-                                             const std::optional<at::Tensor>& attn_sink, int64_t num_partitions) {
+                                             const std::optional<at::Tensor>& attn_sink, int64_t num_partitions,
+                                             const at::Tensor& out, const at::Tensor& lse) {
   check_cpu_contiguous(q, "q");
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat), "openmla cpu: q must be bf16/fp32 [T, H, D]");
   check_cpu_contiguous(cache_lens, "cache_lens");
@@ -86,19 +92,18 @@ std::tuple<at::Tensor, at::Tensor> decode_op(const at::Tensor& q, const at::Tens
     a.sink_stride = attn_sink->dim() == 2 ? a.H : 0;
   }
   a.num_partitions = num_partitions;
-  at::Tensor out = at::empty({a.T, a.H, kv_lora_rank}, q.options());
-  at::Tensor lse = at::empty({a.T, a.H}, q.options().dtype(at::kFloat));
+  check_out(out, {a.T, a.H, kv_lora_rank}, q.scalar_type(), "out");
+  check_out(lse, {a.T, a.H}, at::kFloat, "lse");
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();
   if (q.scalar_type() == at::kBFloat16) run_decode<BFloat16>(a);
   else run_decode<float>(a);
-  return {out, lse};
 }
 
-at::Tensor write_cache_op(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& freqs, const at::Tensor& gamma,
+void write_cache_op(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& freqs, const at::Tensor& gamma,
                           const at::Tensor& pages, const at::Tensor& block_table, const at::Tensor& cache_lens,
                           const at::Tensor& offsets, int64_t fmt, double kv_scale, int64_t kv_lora_rank, double eps,
-                          bool interleaved) {
+                          bool interleaved, const at::Tensor& q_out) {
   check_cpu_contiguous(q, "q");
   check_cpu_contiguous(gamma, "gamma");
   check_cpu_contiguous(cache_lens, "cache_lens");
@@ -125,17 +130,16 @@ at::Tensor write_cache_op(const at::Tensor& q, const at::Tensor& kv, const at::T
   a.B = cache_lens.size(0);
   a.eps = eps;
   a.interleaved = interleaved;
-  at::Tensor q_out = at::empty_like(q);
+  check_out(q_out, q.sizes(), q.scalar_type(), "q_out");
   a.q_out = q_out.data_ptr();
   run_cache_write(a);
-  return q_out;
 }
 
 // Entry columns [col0, col1) of the cache rows of n position spans (sequence seq[i], positions
 // pos0[i] .. pos0[i] + count[i] - 1), laid end to end, dequantised into ``dtype``.
-at::Tensor gather_op(const at::Tensor& pages, const at::Tensor& block_table, const at::Tensor& seq, const at::Tensor& pos0,
+void gather_op(const at::Tensor& pages, const at::Tensor& block_table, const at::Tensor& seq, const at::Tensor& pos0,
                      const at::Tensor& count, int64_t fmt, double kv_scale, int64_t kv_lora_rank, int64_t rope_dim,
-                     int64_t col0, int64_t col1, at::ScalarType dtype) {
+                     int64_t col0, int64_t col1, const at::Tensor& out) {
   PagedCache c = paged_cache(pages, block_table, fmt, kv_scale, kv_lora_rank, rope_dim);
   check_cpu_contiguous(seq, "seq");
   check_cpu_contiguous(pos0, "pos0");
@@ -147,7 +151,8 @@ at::Tensor gather_op(const at::Tensor& pages, const at::Tensor& block_table, con
   std::vector<int64_t> start(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + cnt[i];
   const int64_t rows = start[n], W = col1 - col0;
-  at::Tensor out = at::empty({rows, W}, pages.options().dtype(dtype));
+  const at::ScalarType dtype = out.scalar_type();
+  check_out(out, {rows, W}, dtype, "out");
   auto body = [&](auto* dst) {
     at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
       int64_t i = std::upper_bound(start.begin(), start.end(), r0) - start.begin() - 1;
@@ -160,15 +165,14 @@ at::Tensor gather_op(const at::Tensor& pages, const at::Tensor& block_table, con
   if (dtype == at::kBFloat16) body(out.data_ptr<BFloat16>());
   else if (dtype == at::kFloat) body(out.data_ptr<float>());
   else TORCH_CHECK(false, "openmla cpu: gather dtype must be bf16/fp32");
-  return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> prefill_chunk_op(
+void prefill_chunk_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rope, const at::Tensor& offsets,
     const at::Tensor& cache_lens, const at::Tensor& k_row0, const at::Tensor& k_pos0, const at::Tensor& k_count,
     double scale, int64_t mask_kind, int64_t window, int64_t chunk, const std::optional<at::Tensor>& state_o,
     const std::optional<at::Tensor>& state_ref, const std::optional<at::Tensor>& state_sum, bool first, bool last,
-    const std::optional<at::Tensor>& attn_sink) {
+    const std::optional<at::Tensor>& attn_sink, const at::Tensor& out, const at::Tensor& lse) {
   check_cpu_contiguous(q, "q");
   for (const at::Tensor* t : {&offsets, &cache_lens, &k_row0, &k_pos0, &k_count}) check_cpu_contiguous(*t, "index");
   TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && rope.dim() == 2 && k.stride(1) == 1 && v.stride(1) == 1 && rope.stride(1) == 1,
@@ -212,13 +216,24 @@ std::tuple<at::Tensor, at::Tensor> prefill_chunk_op(
     a.sink = attn_sink->data_ptr<float>();
     a.sink_stride = attn_sink->dim() == 2 ? a.H : 0;
   }
-  at::Tensor out = at::empty({last ? a.T : 0, a.H, a.Dv}, q.options());
-  at::Tensor lse = at::empty({last ? a.T : 0, a.H}, q.options().dtype(at::kFloat));
-  a.out = out.data_ptr();
-  a.lse = lse.data_ptr<float>();
+  if (last) {
+    check_out(out, {a.T, a.H, a.Dv}, q.scalar_type(), "out");
+    check_out(lse, {a.T, a.H}, at::kFloat, "lse");
+    a.out = out.data_ptr();
+    a.lse = lse.data_ptr<float>();
+  }
   if (q.scalar_type() == at::kBFloat16) run_prefill<BFloat16>(a);
   else run_prefill<float>(a);
-  return {out, lse};
+}
+
+// Test hook: fill every thread's scratch memory with NaN bytes, so a kernel that reads scratch
+// it did not write shows it.
+void poison_scratch() {
+  at::parallel_for(0, at::get_num_threads(), 1, [](int64_t, int64_t) {
+    ThreadScratch& s = thread_scratch();
+    for (int i = 0; i < NUM_SLOTS; ++i)
+      if (s.ptr[i]) std::memset(s.ptr[i], 0xff, s.cap[i]);
+  });
 }
 
 // Whether brgemm runs bfloat16 with VNNI-packed B on this CPU (oneDNN needs AVX-512).
@@ -241,20 +256,22 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def(
       "decode(Tensor q, Tensor pages, Tensor block_table, Tensor cache_lens, Tensor offsets, int fmt, float kv_scale, "
       "int kv_lora_rank, float scale, int mask_kind, int window, int chunk, Tensor? sparse_indices, Tensor? topk_lengths, "
-      "bool physical, Tensor? attn_sink, int num_partitions) -> (Tensor, Tensor)",
+      "bool physical, Tensor? attn_sink, int num_partitions, Tensor(a!) out, Tensor(b!) lse) -> ()",
       &openmla::decode_op);
   m.def(
       "write_cache(Tensor q, Tensor kv, Tensor freqs, Tensor gamma, Tensor(a!) pages, Tensor block_table, Tensor cache_lens, "
-      "Tensor offsets, int fmt, float kv_scale, int kv_lora_rank, float eps, bool interleaved) -> Tensor",
+      "Tensor offsets, int fmt, float kv_scale, int kv_lora_rank, float eps, bool interleaved, Tensor(b!) q_out) -> ()",
       &openmla::write_cache_op);
   m.def(
       "gather(Tensor pages, Tensor block_table, Tensor seq, Tensor pos0, Tensor count, int fmt, float kv_scale, "
-      "int kv_lora_rank, int rope_dim, int col0, int col1, ScalarType dtype) -> Tensor",
+      "int kv_lora_rank, int rope_dim, int col0, int col1, Tensor(a!) out) -> ()",
       &openmla::gather_op);
   m.def(
       "prefill_chunk(Tensor q, Tensor k, Tensor v, Tensor rope, Tensor offsets, Tensor cache_lens, Tensor k_row0, "
       "Tensor k_pos0, Tensor k_count, float scale, int mask_kind, int window, int chunk, Tensor(a!)? state_o, "
-      "Tensor(b!)? state_ref, Tensor(c!)? state_sum, bool first, bool last, Tensor? attn_sink) -> (Tensor, Tensor)",
+      "Tensor(b!)? state_ref, Tensor(c!)? state_sum, bool first, bool last, Tensor? attn_sink, Tensor(d!) out, "
+      "Tensor(e!) lse) -> ()",
       &openmla::prefill_chunk_op);
   m.def("bf16_gemm_supported() -> bool", &openmla::bf16_gemm_supported);
+  m.def("poison_scratch() -> ()", &openmla::poison_scratch);
 }
