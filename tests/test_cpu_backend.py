@@ -197,3 +197,13 @@ def test_non_amx_isa(isa):
     assert res.returncode == 0, res.stderr[-2000:]
     errors = [float(x) for x in res.stdout.split()]
     assert len(errors) == 2 and max(errors) < 2e-2, res.stdout
+
+
+# Commands ---------------------------------------------------------------------------------------
+def test_build_and_check_commands(capsys):
+    from openmla.cli import main
+
+    assert main(["build"]) == 0
+    assert main(["check", "--backend", "cpu", "--seed", "7"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "native CPU kernels ready" in out and "all checks passed" in out
