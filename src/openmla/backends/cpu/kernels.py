@@ -11,6 +11,8 @@ taken (:func:`compute_dtype` returns None; the adapter falls back to the torch b
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,24 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+_scratch = threading.local()
+SCRATCH_CAP_BYTES = 256 << 20  # larger buffers are not kept between calls
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread buffer reused across calls (contents undefined): fresh multi-MB tensors cost a
+    page fault per 4 KiB on every call. A result must not outlive the call that asked for it."""
+    numel = math.prod(shape)
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    name = (name, torch.is_inference_mode_enabled())  # inference tensors cannot be written outside it
+    buf = bufs.get((name, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = _alloc((numel,), dtype)
+        if numel * buf.element_size() <= SCRATCH_CAP_BYTES:
+            bufs[(name, dtype)] = buf
+    return buf[:numel].view(shape)
+
+
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -88,6 +108,7 @@ def _mask_args(mask: MaskVariant) -> tuple[int, int, int]:
     return MASK_CODES[mask.kind], int(mask.window_size or 0), int(mask.chunk_size or 0)
 
 
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
 def decode(
     q: torch.Tensor, cache: PagedLayer, *, kv_lora_rank: int, scale: float, mask: MaskVariant,
     sparse_indices: torch.Tensor | None = None, topk_lengths: torch.Tensor | None = None, physical: bool = True,
@@ -109,6 +130,7 @@ def decode(
     return out, lse
 
 
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
 def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamma: torch.Tensor, cache: PagedLayer, *,
                 epsilon: float, interleaved: bool) -> torch.Tensor:
     """One pass over the new tokens: RMSNorm(kv[:, :L]) * gamma and RoPE(kv[:, L:]) stored at each
@@ -127,12 +149,14 @@ def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamm
     return q_rot
 
 
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
 def gather(cache: PagedLayer, spans: list[tuple[int, int, int]], *, kv_lora_rank: int, rope_dim: int,
            cols: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Entry columns ``cols`` of the cache rows of ``spans`` (sequence, first position, count),
-    end to end: ``[sum(count), cols[1]-cols[0]]`` in ``dtype``, dequantised."""
+    end to end: ``[sum(count), cols[1]-cols[0]]`` in ``dtype``, dequantised (a reused buffer: valid
+    until the next call)."""
     idx = torch.tensor(spans, dtype=torch.int64).reshape(-1, 3).t().contiguous()
-    out = _alloc((int(idx[2].sum()), cols[1] - cols[0]), dtype)
+    out = _buffer("gather", (int(idx[2].sum()), cols[1] - cols[0]), dtype)
     build.ops().gather(cache.pages, _int32(cache.block_table), idx[0], idx[1], idx[2], cache.fmt, float(cache.kv_scale),
                        kv_lora_rank, rope_dim, cols[0], cols[1], out)
     return out
@@ -153,6 +177,7 @@ class PrefillState:
         return cls(_alloc((rows, v_depth), f32), _alloc((rows,), f32), _alloc((rows,), f32))
 
 
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
 def prefill_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, *, offsets: torch.Tensor,
     cache_lengths: torch.Tensor, spans: torch.Tensor, scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None,
@@ -176,6 +201,7 @@ def prefill_chunk(
     return out, lse
 
 
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
 def prefill(
     q: torch.Tensor, cache: PagedLayer, w_k: torch.Tensor, w_uv: torch.Tensor, *, chunks: list[tuple[list[int], list[int]]],
     offsets: list[int], cache_lens: list[int], scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None,
@@ -217,7 +243,9 @@ def prefill(
             row += n
         entries = gather(cache, spans, kv_lora_rank=L, rope_dim=R, cols=(0, L + R), dtype=dtype)
         latent = entries[:, :L]
-        k, v = torch.mm(latent, w_k.t()), torch.mm(latent, w_v.t())
+        S = latent.shape[0]
+        k = torch.mm(latent, w_k.t(), out=_buffer("k", (S, w_k.shape[0]), dtype))
+        v = torch.mm(latent, w_v.t(), out=_buffer("v", (S, w_v.shape[0]), dtype))
         out, lse = prefill_chunk(q, k, v, entries[:, L:], offsets=offs_t, cache_lengths=lens_t, spans=table, scale=scale,
                                  mask=mask, attn_sink=attn_sink, state=state, first=i == 0, last=i == max(len(work), 1) - 1)
     return out, lse

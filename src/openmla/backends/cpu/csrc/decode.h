@@ -18,7 +18,7 @@
 namespace openmla {
 
 // Tuning, measured on a 2-core AMX Xeon (bench/RESULTS.md).
-constexpr int64_t DECODE_BLOCK = 128;     // keys per block (two 64-key pages)
+constexpr int64_t DECODE_BLOCK = 256;     // keys per block (four 64-key pages)
 constexpr int64_t DECODE_MAX_ROWS = 128;  // query rows (tokens x heads) of one unit
 constexpr int64_t INPLACE_MIN_PAGE = 16;  // bf16 pages of at least this many rows are read in place
 constexpr int64_t MIN_PART_KEYS = 512;    // automatic split-KV never cuts parts smaller than this
@@ -60,6 +60,7 @@ struct DecodePlan {
   std::vector<DecodeUnit> units;
   std::vector<DecodeGroup> groups;
   int64_t partial_rows = 0;
+  double work_s = 0;  // estimated single-thread seconds
   bool inplace = false;
   int64_t align = DECODE_BLOCK;  // key grid that blocks and part cuts follow
 };
@@ -161,6 +162,7 @@ inline DecodePlan plan_decode(const DecodeArgs& a, bool inplace) {
         cut = std::clamp(cut, prev, p.hi);
       }
       plan.units.push_back({p.b, p.t0, p.nt, p.h0, p.nh, (int32_t)g, (int32_t)i, prev, cut, (cut - prev + DECODE_BLOCK) * M});
+      plan.work_s += (double)(cut - prev) * (2.0 * M * (2 * a.D) / EST_FLOPS_PER_S + a.cache.row_stride / EST_BYTES_PER_S);
       prev = cut;
     }
   }
@@ -200,18 +202,18 @@ struct DecodeKernel {
     int32_t* cols = scratch<int32_t>(S_PTRS, 2 * M + 2 * u.nt);
     int32_t *c0 = cols, *c1 = cols + M, *tlo = cols + 2 * M, *thi = tlo + u.nt;
     float* S = scratch<float>(S_SCORES, round_up(n_max, 16) * M);
-    float* ST = scratch<float>(S_SCORES_T, M * n_max);
-    T* P = std::is_same_v<T, float> ? reinterpret_cast<T*>(ST) : scratch<T>(S_PROBS, M * n_max);
+    T* PT = scratch<T>(S_SCORES_T, n_max * M);
+    T* P = scratch<T>(S_PROBS, M * n_max);
     T* Vp = scratch<T>(S_VPACK, n_max * L);
     T* keys = scratch<T>(S_KEYS, round_up(n_max, 16) * D);
     const T** vrows = scratch<const T*>(S_KPACK, n_max);
 
-    // One block of n rows (scores already in S [rows16][M]): softmax and P x V.
-    auto finish_block = [&](int64_t rows) {
+    // One block of n rows (scores already in S [rows16][M]): softmax and P x V (V packed from
+    // vrows unless ``packed``).
+    auto finish_block = [&](int64_t rows, bool packed) {
       const int64_t n_pad = round_up(rows, 32);
-      at::vec::transpose_mxn<float>(S, M, ST, n_pad, (int)rows, (int)M);
-      softmax_block<T>(ST, n_pad, M, n_pad, c0, c1, a.scale, ref, sum, O, L, L, P, n_pad);
-      pack_b_rows<T>(vrows, rows, n_pad, L, Vp);
+      softmax_keys_major<T>(S, M, rows, n_pad, c0, c1, a.scale, ref, sum, O, L, L, PT, P);
+      if (!packed) pack_b_rows<T>(vrows, rows, n_pad, L, Vp);
       gemm(M, L, n_pad, n_pad, L, L, true, P, Vp, O);
     };
 
@@ -226,20 +228,19 @@ struct DecodeKernel {
       const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
       for (int64_t pos = u.k_lo; pos < u.k_hi;) {
         const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
-        if (kb.b < u.k_hi) {  // start streaming the next block's rows while this one computes
-          const KeyBlock nb = next_block(plan, a.cache.page_size, kb.b, u.k_hi);
-          for (int64_t p = nb.a; p < nb.b; ++p) prefetch_row(a.cache.logical(b, p), a.cache.row_stride);
-        }
         if (plan.inplace) {
+          // V is packed first: that pass streams the block's rows from memory (the rope columns
+          // prefetched alongside), so the score GEMM then reads them from cache.
+          for (int64_t r = 0; r < kb.rows; ++r) {
+            const int64_t p = kb.base + r;
+            vrows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
+          }
+          pack_b_rows<T>(vrows, kb.rows, round_up(kb.rows, 32), L, Vp, (D - L) * (int64_t)sizeof(T));
           const int64_t seg = std::min(a.cache.page_size, kb.rows);
           for (int64_t r = 0; r < kb.rows; r += seg) {
             if (kb.base + r + seg <= kb.a || kb.base + r >= kb.b) continue;  // no visible row in this page
             const T* A = reinterpret_cast<const T*>(a.cache.logical(b, kb.base + r));
             gemm(seg, M, D, row_elems, M, M, false, A, QT, S + r * M);
-          }
-          for (int64_t r = 0; r < kb.rows; ++r) {
-            const int64_t p = kb.base + r;
-            vrows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
           }
         } else {
           for (int64_t r = 0; r < kb.rows; ++r) {
@@ -256,7 +257,7 @@ struct DecodeKernel {
             c1[i * u.nh + h] = std::max(lo, hi);
           }
         }
-        finish_block(kb.rows);
+        finish_block(kb.rows, plan.inplace);
         pos = kb.b;
       }
     } else {
@@ -289,7 +290,7 @@ struct DecodeKernel {
           c1[m] = (int32_t)n;
         }
         gemm(round_up(n, 16), M, D, D, M, M, false, keys, QT, S);
-        finish_block(n);
+        finish_block(n, false);
       }
     }
     finish(u, O, ref, sum);
@@ -335,7 +336,7 @@ void run_decode(const DecodeArgs& a) {
   std::unique_ptr<std::atomic<int32_t>[]> done(new std::atomic<int32_t>[plan.groups.size() + 1]);
   for (size_t g = 0; g < plan.groups.size(); ++g) done[g].store(0);
   DecodeKernel<T> k{a, plan, partial.data(), partial.data() + plan.partial_rows * a.cache.L, done.get()};
-  run_units((int64_t)plan.units.size(), std::is_same_v<T, BFloat16>, [&](int64_t i) { k.run(plan.units[i]); });
+  run_units((int64_t)plan.units.size(), plan.work_s, std::is_same_v<T, BFloat16>, [&](int64_t i) { k.run(plan.units[i]); });
 }
 
 }  // namespace openmla

@@ -184,7 +184,9 @@ void run_prefill(const PrefillArgs& a) {
     }
   }
   std::stable_sort(units.begin(), units.end(), [](const PrefillUnit& x, const PrefillUnit& y) { return x.cost > y.cost; });
-  run_units((int64_t)units.size(), std::is_same_v<T, BFloat16>, [&](int64_t i) { k.run(units[i]); });
+  double work_s = 0;
+  for (const PrefillUnit& u : units) work_s += (double)u.cost * 2.0 * (a.Dq + a.Dv) / EST_FLOPS_PER_S;
+  run_units((int64_t)units.size(), work_s, std::is_same_v<T, BFloat16>, [&](int64_t i) { k.run(units[i]); });
 }
 
 }  // namespace openmla
