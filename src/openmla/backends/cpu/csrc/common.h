@@ -253,6 +253,8 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 }
 
 // Operand packing ------------------------------------------------------------------------
+constexpr int64_t PACK_AHEAD = 16;  // rows the streaming pack prefetches ahead
+
 // B from K rows (rows[k], N values each; nullptr or k >= K: zeros), K_pad rows in all.
 // BFloat16: VNNI-2 [K_pad/2][N][2]; float: [K_pad][N]. ``tail_bytes``: also prefetch that many
 // bytes after each row's N values (the rest of a cache entry, read next by the score GEMM).
@@ -269,9 +271,13 @@ void pack_b_rows(const T* const* rows, int64_t K, int64_t K_pad, int64_t N, T* d
       const uint16_t* a = k < K ? reinterpret_cast<const uint16_t*>(rows[k]) : nullptr;
       const uint16_t* b = k + 1 < K ? reinterpret_cast<const uint16_t*>(rows[k + 1]) : nullptr;
       uint16_t* d = reinterpret_cast<uint16_t*>(dst) + k * N;
-      if (tail_bytes) {
-        if (a) prefetch_bytes(reinterpret_cast<const uint8_t*>(a + N), tail_bytes);
-        if (b) prefetch_bytes(reinterpret_cast<const uint8_t*>(b + N), tail_bytes);
+      if (tail_bytes) {  // streaming from memory: ask for the rows PACK_AHEAD ahead, whole
+        for (int64_t r = k + PACK_AHEAD; r < std::min(K, k + PACK_AHEAD + 2); ++r)
+          if (rows[r]) prefetch_bytes(reinterpret_cast<const uint8_t*>(rows[r]), N * (int64_t)sizeof(T) + tail_bytes);
+        if (k < PACK_AHEAD) {
+          for (int64_t r = k; r < std::min(K, k + 2); ++r)
+            if (rows[r]) prefetch_bytes(reinterpret_cast<const uint8_t*>(rows[r] + N), tail_bytes);
+        }
       }
       if (!a && !b) {
         zero_fill(d, 2 * N * sizeof(uint16_t));
