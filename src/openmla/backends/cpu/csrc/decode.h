@@ -332,10 +332,10 @@ struct DecodeKernel {
 template <typename T>
 void run_decode(const DecodeArgs& a) {
   const DecodePlan plan = plan_decode(a, decode_inplace<T>(a));
-  std::vector<float> partial(plan.partial_rows * (a.cache.L + 1));
+  std::unique_ptr<float[]> partial(new float[plan.partial_rows * (a.cache.L + 1) + 1]);  // every row is written
   std::unique_ptr<std::atomic<int32_t>[]> done(new std::atomic<int32_t>[plan.groups.size() + 1]);
   for (size_t g = 0; g < plan.groups.size(); ++g) done[g].store(0);
-  DecodeKernel<T> k{a, plan, partial.data(), partial.data() + plan.partial_rows * a.cache.L, done.get()};
+  DecodeKernel<T> k{a, plan, partial.get(), partial.get() + plan.partial_rows * a.cache.L, done.get()};
   run_units((int64_t)plan.units.size(), plan.work_s, std::is_same_v<T, BFloat16>, [&](int64_t i) { k.run(plan.units[i]); });
 }
 

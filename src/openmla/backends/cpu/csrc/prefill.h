@@ -114,13 +114,15 @@ struct PrefillKernel {
       }
       const T* A = q + ((q_row0 + qa) * H + h) * Dq;
       for (int64_t j = (ulo - klo) / BN; ulo < uhi && j * BN < uhi - klo; ++j) {
-        gemm(m, BN, Dq, H * Dq, BN, BN, false, A, Kp + j * Dq * BN, S);
+        // columns up to the last one any row sees (the causal diagonal ends a block early)
+        const int64_t n = std::min(BN, round_up(uhi - klo - j * BN, 2 * VL));
+        gemm(m, n, Dq, H * Dq, BN, BN, false, A, Kp + j * Dq * BN, S);
         for (int64_t r = 0; r < m; ++r) {
-          c0[r] = (int32_t)std::clamp<int64_t>(rlo[r] - j * BN, 0, BN);
-          c1[r] = (int32_t)std::clamp<int64_t>(rhi[r] - j * BN, c0[r], BN);
+          c0[r] = (int32_t)std::clamp<int64_t>(rlo[r] - j * BN, 0, n);
+          c1[r] = (int32_t)std::clamp<int64_t>(rhi[r] - j * BN, c0[r], n);
         }
-        softmax_block<T>(S, BN, m, BN, c0, c1, a.scale, ref, sum, O, Dv, Dv, P, BN);
-        gemm(m, Dv, BN, BN, Dv, Dv, true, P, Vp + j * BN * Dv, O);
+        softmax_block<T>(S, BN, m, n, c0, c1, a.scale, ref, sum, O, Dv, Dv, P, BN);
+        gemm(m, Dv, n, BN, Dv, Dv, true, P, Vp + j * BN * Dv, O);
       }
       for (int64_t r = 0; r < m; ++r) finish(b, (q_row0 + qa + r) * H + h, O + r * Dv, ref[r], sum[r]);
     }
