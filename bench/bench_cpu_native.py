@@ -25,8 +25,8 @@ fractions use medians (and best rounds, in brackets).
 
 Two timings per run: wall time with ``--threads`` threads, and single-thread CPU time
 (``time.thread_time`` with ``torch.set_num_threads(1)``), which holds when other processes share
-the machine. ``--non-amx`` reruns the script with oneDNN limited to AVX512_CORE_BF16 (no AMX:
-what a Zen 4 has). JSON goes to ``bench/out/cpu_native[_non_amx].json``.
+the machine. ``--non-amx`` reruns the script with oneDNN limited to AVX512_CORE_BF16 and MKL to
+AVX512_E3 (no AMX: what a Zen 4 has). JSON goes to ``bench/out/cpu_native[_non_amx].json``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ from openmla.flops import fused_op_flops  # noqa: E402
 from openmla.testing import make_case, small_config  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
-NON_AMX_ISA = "AVX512_CORE_BF16"
+# What a Zen 4 has: AVX-512 with bf16 dot products, no AMX. Both libraries that pick kernels by
+# ISA are limited (torch's SDPA reaches AMX through MKL, matmul and brgemm through oneDNN).
+NON_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3"}
 L, R, DN, DV = 512, 64, 128, 128
 
 
@@ -255,6 +257,7 @@ def machine() -> dict:
         pass
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
     return {"cpu": model, "amx": "amx_bf16" in flags and not isa, "onednn_max_cpu_isa": isa or None,
+            "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
             "cores": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "loadavg_before": os.getloadavg()}
 
@@ -277,11 +280,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small shapes, 2 rounds (a smoke run)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
     ap.add_argument("--no-cpu-time", action="store_true", help="skip the single-thread CPU-time pass")
-    ap.add_argument("--non-amx", action="store_true", help=f"rerun with ONEDNN_MAX_CPU_ISA={NON_AMX_ISA}")
+    ap.add_argument("--non-amx", action="store_true", help="rerun with oneDNN and MKL limited to AVX-512 (no AMX)")
     args = ap.parse_args()
-    if args.non_amx and os.environ.get("ONEDNN_MAX_CPU_ISA") != NON_AMX_ISA:
-        env = dict(os.environ, ONEDNN_MAX_CPU_ISA=NON_AMX_ISA)
-        sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
+    if args.non_amx and any(os.environ.get(k) != v for k, v in NON_AMX_ENV.items()):
+        sys.exit(subprocess.call([sys.executable, *sys.argv], env=dict(os.environ, **NON_AMX_ENV)))
     reps = 2 if args.quick else args.reps
     B, S, seq_len = (2, 512, 256) if args.quick else (8, 4096, 2048)
     info = machine()
