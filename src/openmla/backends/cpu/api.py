@@ -57,7 +57,8 @@ def _native(batch: CacheBatch, layer_idx: int, q: torch.Tensor, *others: torch.T
 def write_cache(q, kv, freqs_cis, kv_norm_gamma, batch: CacheBatch, layer_idx: int, epsilon: float, interleaved: bool = True):
     layer = _layer(batch, layer_idx)
     takes = (layer is not None and q.dtype in kernels.FORMAT_CODES and kv.dtype in kernels.FORMAT_CODES
-             and q.device.type == "cpu" and freqs_cis.dtype in (torch.float32, torch.float64))
+             and kv_norm_gamma.dtype != torch.float64 and q.device.type == "cpu"
+             and freqs_cis.dtype in (torch.float32, torch.float64))
     if not takes:
         return torch_cpu.write_cache(q, kv, freqs_cis, kv_norm_gamma, batch, layer_idx, epsilon, interleaved)
     return kernels.write_cache(q, kv, freqs_cis, kv_norm_gamma, layer, epsilon=epsilon, interleaved=interleaved)
