@@ -7,7 +7,7 @@
 // q's rope part is rotated in float32.
 #pragma once
 
-#include "common.h"
+#include "operands.h"
 
 namespace openmla {
 

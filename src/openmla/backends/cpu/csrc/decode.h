@@ -11,7 +11,8 @@
 // parallel region.
 #pragma once
 
-#include "common.h"
+#include "operands.h"
+#include "softmax.h"
 
 #include <memory>
 

@@ -8,7 +8,8 @@
 // one call merge through a float32 running state (``first`` / ``last``).
 #pragma once
 
-#include "common.h"
+#include "operands.h"
+#include "softmax.h"
 
 namespace openmla {
 
