@@ -244,7 +244,9 @@ struct DecodeKernel {
             gemm(seg, M, D, row_elems, M, M, false, A, QT, S + r * M);
           }
         } else {
+          const int64_t stored = a.cache.stored_bytes();
           for (int64_t r = 0; r < kb.rows; ++r) {
+            if (r + PACK_AHEAD < kb.rows) prefetch_bytes(a.cache.logical(b, kb.base + r + PACK_AHEAD), stored);
             a.cache.load<T>(a.cache.logical(b, kb.base + r), keys + r * D, 0, D);
             vrows[r] = keys + r * D;
           }

@@ -85,6 +85,15 @@ struct PagedCache {
   int64_t table_stride = 0;
 
   int64_t width() const { return L + R; }
+  // Bytes of one stored entry.
+  int64_t stored_bytes() const {
+    switch (fmt) {
+      case FMT_BF16: case FMT_F16: return 2 * (L + R);
+      case FMT_F32: return 4 * (L + R);
+      case FMT_E4M3: return L + R;
+      default: return L + 4 * (L / DS_GROUP) + 2 * R;
+    }
+  }
   const uint8_t* phys(int64_t row) const { return base + (row / page_size) * page_stride + (row % page_size) * row_stride; }
   const uint8_t* logical(int64_t b, int64_t pos) const {
     int64_t page = table[b * table_stride + pos / page_size];
