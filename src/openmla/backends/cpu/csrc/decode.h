@@ -40,6 +40,7 @@ struct DecodeArgs {
   const float* sink = nullptr;  // [H] (sink_stride 0) or [B, H] (sink_stride H)
   int64_t sink_stride = 0;
   int64_t num_partitions = 0;  // 0: automatic
+  float out_scale = 1.f;       // final outputs are multiplied by this (a folded fp8_e4m3 kv_scale)
   void* out = nullptr;         // [T, H, L] in the compute type
   float* lse = nullptr;        // [T, H]
 };
@@ -306,7 +307,7 @@ struct DecodeKernel {
     if (g.nparts == 1) {
       for (int64_t m = 0; m < M; ++m) {
         const int64_t row = (u.t0 + m / u.nh) * a.H + u.h0 + m % u.nh;
-        finish_row(O + m * L, L, ref[m], sum[m], sink_of(u.b, u.h0 + m % u.nh), out + row * L, a.lse + row);
+        finish_row(O + m * L, L, ref[m], sum[m], sink_of(u.b, u.h0 + m % u.nh), out + row * L, a.lse + row, a.out_scale);
       }
       return;
     }
@@ -327,7 +328,7 @@ struct DecodeKernel {
       }
       auto [r, s] = merge_parts(po.data(), pl.data(), g.nparts, L, acc);
       const int64_t row = (u.t0 + m / u.nh) * a.H + u.h0 + m % u.nh;
-      finish_row(acc, L, r, s, sink_of(u.b, u.h0 + m % u.nh), out + row * L, a.lse + row);
+      finish_row(acc, L, r, s, sink_of(u.b, u.h0 + m % u.nh), out + row * L, a.lse + row, a.out_scale);
     }
   }
 };

@@ -77,6 +77,11 @@ void decode_op(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& b
   a.B = cache_lens.size(0);
   a.mask = make_mask(mask_kind, window, chunk);
   a.scale = static_cast<float>(scale);
+  if (fmt == FMT_E4M3) {  // one scale per layer: fold it into the scores and the output
+    a.cache.e4m3_unscaled = true;
+    a.scale *= a.cache.kv_scale;
+    a.out_scale = a.cache.kv_scale;
+  }
   if (sparse_indices.has_value() && sparse_indices->defined()) {
     TORCH_CHECK(sparse_indices->scalar_type() == at::kInt && sparse_indices->dim() == 2 && sparse_indices->stride(1) == 1,
                 "openmla cpu: sparse_indices must be int32 [T, K] with unit last stride");

@@ -29,43 +29,75 @@ inline void convert_row(const S* src, T* dst, int64_t n) {
   }
 }
 
-// float8_e4m3fn -> float. Vectorised: the 7 magnitude bits shifted into a float's exponent and
-// mantissa read as 2^-120 times the value for normals; subnormals (exponent 0) are m * 2^-9;
-// 0x7f is NaN.
+// Store 2 * VL floats into the compute type (bf16: one 32-value vector, rounded to nearest even).
+template <typename T>
+inline void store_pair(T* dst, const fVec& lo, const fVec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(dst);
+    hi.store(dst + VL);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+    at::vec::convert_from_float<T>(lo, hi).store(dst);
+#endif
+  }
+}
+
+// float8_e4m3fn -> float (one value).
 inline float fp8_to_float(uint8_t b) {
   return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
 }
 
-// dst[j] = fp8(src[j]) * scale for n values (rounded once, as float32 x * scale).
 #if defined(CPU_CAPABILITY_AVX512)
-inline __m512 dequant_fp8_x16(const uint8_t* src, __m512 vscale) {
-  const __m512i m7f = _mm512_set1_epi32(0x7f), m80 = _mm512_set1_epi32(0x80), eight = _mm512_set1_epi32(8);
-  __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  __m512i em = _mm512_and_si512(x, m7f);
-  __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, m80), 24);
-  __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(em, 20)), _mm512_set1_ps(1.329227995784916e36f));  // 2^120
-  __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
-  __m512 mag = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(em, eight), sub);
-  mag = _mm512_mask_mov_ps(mag, _mm512_cmpeq_epi32_mask(em, m7f), _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)), vscale);
+// 32 float8_e4m3fn values as exact bf16 bits, built in 16-bit lanes (every e4m3 value is a bf16
+// value): (magnitude << 4) + (120 << 7) for normals, a table for the 8 subnormals, 0x7fc0 for
+// NaN, then the sign.
+inline __m512i fp8x32_bf16_bits(const uint8_t* src) {
+  alignas(64) static const uint16_t sub[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+  const __m512i m7f = _mm512_set1_epi16(0x7f);
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i em = _mm512_and_si512(x, m7f);
+  __m512i mag = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+  mag = _mm512_mask_mov_epi16(mag, _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)),
+                              _mm512_permutexvar_epi16(em, _mm512_load_si512(sub)));
+  mag = _mm512_mask_mov_epi16(mag, _mm512_cmpeq_epi16_mask(em, m7f), _mm512_set1_epi16(0x7fc0));
+  return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+// bf16 bits (16 of them, in a 256-bit half) -> float: the bits in the high half of each lane.
+inline __m512 bf16_bits_to_float(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #endif
 
+// dst[j] = fp8(src[j]) * scale for n values, rounded once from float32 (as the reference's
+// fp8 -> float32, times the float32 scale, then the compute type).
 template <typename T>
 inline void dequant_fp8(const uint8_t* src, float scale, T* dst, int64_t n) {
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 vscale = _mm512_set1_ps(scale);
-  if constexpr (std::is_same_v<T, float>) {
-    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, dequant_fp8_x16(src + j, vscale));
-  } else {
-    for (; j + 32 <= n; j += 32) {
-      fVec lo(dequant_fp8_x16(src + j, vscale)), hi(dequant_fp8_x16(src + j + 16, vscale));
-      at::vec::convert_from_float<T>(lo, hi).store(dst + j);
-    }
+  const fVec vscale(scale);
+  for (; j + 32 <= n; j += 32) {
+    const __m512i b = fp8x32_bf16_bits(src + j);
+    const fVec lo = fVec(bf16_bits_to_float(_mm512_castsi512_si256(b))) * vscale;
+    const fVec hi = fVec(bf16_bits_to_float(_mm512_extracti64x4_epi64(b, 1))) * vscale;
+    store_pair(dst + j, lo, hi);
   }
 #endif
   for (; j < n; ++j) dst[j] = static_cast<T>(fp8_to_float(src[j]) * scale);
+}
+
+// float8_e4m3fn -> the compute type, exact (no scale).
+template <typename T>
+inline void fp8_to_exact(const uint8_t* src, T* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    for (; j + 32 <= n; j += 32) _mm512_storeu_si512(dst + j, fp8x32_bf16_bits(src + j));
+  }
+#endif
+  if (j < n) dequant_fp8(src + j, 1.f, dst + j, n - j);
 }
 
 // Cache formats (openmla.fp8): native entries, fp8_e4m3 (entry / kv_scale), or fp8_ds_mla
@@ -83,6 +115,7 @@ struct PagedCache {
   int64_t L = 0, R = 0;  // latent and rope widths: an entry is L + R values
   const int32_t* table = nullptr;  // block_table [B, table_stride]
   int64_t table_stride = 0;
+  bool e4m3_unscaled = false;  // read fp8_e4m3 entries without kv_scale (the caller folds it in)
 
   int64_t width() const { return L + R; }
   // Bytes of one stored entry.
@@ -107,7 +140,10 @@ struct PagedCache {
       case FMT_BF16: convert_row(reinterpret_cast<const BFloat16*>(src) + c0, dst, c1 - c0); break;
       case FMT_F16: convert_row(reinterpret_cast<const Half*>(src) + c0, dst, c1 - c0); break;
       case FMT_F32: convert_row(reinterpret_cast<const float*>(src) + c0, dst, c1 - c0); break;
-      case FMT_E4M3: dequant_fp8(src + c0, kv_scale, dst, c1 - c0); break;
+      case FMT_E4M3:
+        if (e4m3_unscaled) fp8_to_exact(src + c0, dst, c1 - c0);
+        else dequant_fp8(src + c0, kv_scale, dst, c1 - c0);
+        break;
       default: {  // fp8_ds_mla
         const uint8_t* scales = src + L;
         for (int64_t g0 = c0; g0 < std::min(c1, L); g0 = (g0 / DS_GROUP + 1) * DS_GROUP) {

@@ -31,21 +31,6 @@ inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
 
-// Store 2 * VL floats into the compute type (bf16: one 32-value vector, rounded to nearest even).
-template <typename T>
-inline void store_pair(T* dst, const fVec& lo, const fVec& hi) {
-  if constexpr (std::is_same_v<T, float>) {
-    lo.store(dst);
-    hi.store(dst + VL);
-  } else {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-#else
-    at::vec::convert_from_float<T>(lo, hi).store(dst);
-#endif
-  }
-}
-
 // e^x for probabilities: for bf16 P the fast polynomial (relative error ~1e-4, far below
 // bf16's 4e-3 rounding), for float32 the 2-ulp one.
 template <typename T>
@@ -201,17 +186,18 @@ void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, 
   transpose<T>(PT, M, P, n_pad, n_pad, M);
 }
 
-// Finished row: out = O / sum (zeros when nothing was seen), lse = ref + log(sum) (-inf then),
-// and with a sink logit (not NaN) out *= 1 / (1 + e^(sink - lse)); the LSE leaves it out.
+// Finished row: out = O / sum * out_scale (zeros when nothing was seen), lse = ref + log(sum)
+// (-inf then), and with a sink logit (not NaN) out *= 1 / (1 + e^(sink - lse)); the LSE leaves
+// it out.
 template <typename OutT>
-void finish_row(const float* O, int64_t Dv, float ref, float sum, float sink, OutT* out, float* lse) {
+void finish_row(const float* O, int64_t Dv, float ref, float sum, float sink, OutT* out, float* lse, float out_scale = 1.f) {
   if (!(sum > 0.f)) {
     zero_fill(out, Dv * sizeof(OutT));
     *lse = NEG_INF;
     return;
   }
   const float l = ref + std::log(sum);
-  float f = 1.f / sum;
+  float f = out_scale / sum;
   if (!std::isnan(sink)) f /= 1.f + std::exp(sink - l);
   *lse = l;
   if constexpr (std::is_same_v<OutT, float>) {
