@@ -33,9 +33,14 @@ def torch_backend_missing() -> str | None:
     return None
 
 
-@pytest.fixture(params=["reference", "torch"])
+@pytest.fixture(params=["reference", "torch", "cpu"])
 def backend(request) -> str:
-    """Every layer test runs on the float64 oracle and on the default CPU backend."""
+    """Every layer test runs on the float64 oracle and on both CPU backends (torch and native cpu)."""
+    if request.param == "cpu":
+        from openmla.backends.cpu import available
+
+        if not available():
+            pytest.skip("the native cpu backend did not build here")
     if request.param == "torch":
         missing = torch_backend_missing()
         if missing:

@@ -1,4 +1,4 @@
-"""The torch backend's cache write and decode form against the float64 reference.
+"""The CPU backends' cache write and decode form against the float64 reference (torch and cpu).
 
 Every case draws a fresh seed (printed in the failure message); pages are handed out in a
 shuffled order by ``make_case``, so a wrong page-table lookup shows.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -18,12 +19,21 @@ from openmla import CacheBatch, MaskVariant
 from openmla import reference as ref
 
 from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
+from cpu_backends import CPU_BACKENDS, use_backend
 
 # The package re-exports the function ``decode``; the module itself holds the tunables.
 tdec = importlib.import_module("openmla.backends.torch_cpu.decode")
 
 MASKS = MASK_CASES
 DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
+
+BACKEND = "torch"  # the backend under test; the autouse fixture below sets it per test
+
+
+@pytest.fixture(autouse=True, params=CPU_BACKENDS)
+def backend(request, monkeypatch):
+    """Every test runs on the torch backend and on the native cpu backend."""
+    monkeypatch.setattr(sys.modules[__name__], "BACKEND", use_backend(request.param, monkeypatch))
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +55,7 @@ def decode_both(case: Case, q_abs: torch.Tensor, **kw):
     """flare_mla_decode with the torch backend and the reference, both with LSE."""
     L = case.config.kv_lora_rank
     args = (q_abs, case.batch, case.layer_idx)
-    got = openmla.flare_mla_decode(*args, scale=case.scale, kv_lora_rank=L, return_lse=True, backend="torch", **kw)
+    got = openmla.flare_mla_decode(*args, scale=case.scale, kv_lora_rank=L, return_lse=True, backend=BACKEND, **kw)
     want = openmla.flare_mla_decode(*args, scale=case.scale, kv_lora_rank=L, return_lse=True, backend="reference", **kw)
     return got, want
 
@@ -97,7 +107,7 @@ def test_write_cache_matches_reference(dtype, page_size, interleaved):
     before = case.batch.blocks.clone()
     mirror = case.clone_cache()
     q_rot = openmla.mla_write_cache(case.q, case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx,
-                                    rope_interleaved=interleaved, backend="torch")
+                                    rope_interleaved=interleaved, backend=BACKEND)
     ref.write_cache(mirror.kv, mirror.freqs_cis, mirror.gamma, mirror.batch, mirror.layer_idx, 1e-6, interleaved)
     got, want = case.batch.blocks, mirror.batch.blocks
     assert not torch.isnan(got).any(), f"unwritten rows (seed {case.seed})"
@@ -118,7 +128,7 @@ def test_write_cache_matches_reference(dtype, page_size, interleaved):
 def test_write_cache_empty_batch():
     case = make_case([4, 0], [0, 0])
     before = case.batch.blocks.clone()
-    q_rot = openmla.mla_write_cache(case.q, case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx, backend="torch")
+    q_rot = openmla.mla_write_cache(case.q, case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx, backend=BACKEND)
     assert q_rot.shape == case.q.shape
     assert torch.equal(case.batch.blocks, before)
 
@@ -127,9 +137,9 @@ def test_empty_batch_decode_and_fused():
     case = make_case([5, 0], [0, 0])
     q_abs = torch.randn(0, case.config.num_heads, 80)
     out, lse = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, scale=case.scale, kv_lora_rank=64,
-                                        return_lse=True, backend="torch")
+                                        return_lse=True, backend=BACKEND)
     assert out.shape == (0, case.config.num_heads, 64) and lse.shape == (0, case.config.num_heads)
-    assert openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, backend="torch").shape[0] == 0
+    assert openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, backend=BACKEND).shape[0] == 0
 
 
 # Dense decode -------------------------------------------------------------------------
@@ -173,6 +183,8 @@ def test_decode_small_blocks_and_page_layouts(monkeypatch, mask, extra):
 def test_offset_sample_misses_the_max(monkeypatch, dtype):
     """One key far above the sampled ones (2^250 relative) overflows the sampled-offset pass;
     decode must notice and rerun with exact block maxima."""
+    if BACKEND != "torch":
+        pytest.skip("the torch backend's sampled offsets")
     runs = []
     real_run = tdec._run
     monkeypatch.setattr(tdec, "_run", lambda ctx, *a: runs.append(ctx.exact) or real_run(ctx, *a))
@@ -210,7 +222,7 @@ def test_decode_negative_and_zero_scale():
     L = case.config.kv_lora_rank
     for scale in (-case.scale, 0.0):
         kw = dict(scale=scale, kv_lora_rank=L, return_lse=True, mask="sliding_window_causal", window_size=4)
-        got = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, backend="torch", **kw)
+        got = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, backend=BACKEND, **kw)
         want = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, backend="reference", **kw)
         assert_close(got[0], want[0], TOL[torch.float32], f"scale={scale}", case.seed)
         assert_lse(got[1], want[1], TOL[torch.float32], case.seed)
@@ -297,7 +309,7 @@ def test_sink_on_rows_without_keys():
 # The fused op -------------------------------------------------------------------------------
 def fused_both(case: Case, **kw):
     mirror = case.clone_cache()
-    got = openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, return_lse=True, backend="torch", **kw)
+    got = openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, return_lse=True, backend=BACKEND, **kw)
     want = openmla.mla_prefill_decode_graph(*mirror.fused_args(), scale=case.scale, return_lse=True, backend="reference", **kw)
     return got, want
 
@@ -346,7 +358,7 @@ def test_inference_mode_and_grad_inputs():
     inputs that require grad give plain outputs."""
     case = make_case([30, 5], [1, 2], dtype=torch.bfloat16)
     q_abs = random_q_abs(case)
-    kw = dict(scale=case.scale, kv_lora_rank=case.config.kv_lora_rank, backend="torch")
+    kw = dict(scale=case.scale, kv_lora_rank=case.config.kv_lora_rank, backend=BACKEND)
     with torch.inference_mode():
         first = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, **kw)
     second = openmla.flare_mla_decode(q_abs, case.batch, case.layer_idx, **kw)
@@ -375,6 +387,6 @@ def test_sparse_dropped_slots_never_read_stale_rows():
     want = openmla.flare_mla_decode(q, a.batch, a.layer_idx, scale=0.1, kv_lora_rank=64, sparse_indices=rows,
                                     topk_lengths=topk, backend="reference")
     got = openmla.flare_mla_decode(q, b.batch, b.layer_idx, scale=0.1, kv_lora_rank=64, sparse_indices=rows,
-                                   topk_lengths=topk, backend="torch")
+                                   topk_lengths=topk, backend=BACKEND)
     assert torch.isfinite(want).all()
     assert_close(got, want, 1e-5, "sparse with stale NaN row", case.seed)

@@ -1,4 +1,6 @@
-"""The torch backend on fp8 caches against the float64 oracle reading the same fp8 cache."""
+"""The CPU backends (torch and cpu) on fp8 caches against the float64 oracle reading the same fp8 cache."""
+
+import sys
 
 import pytest
 import torch
@@ -8,9 +10,18 @@ from openmla import reference as ref
 from openmla.fp8 import FP8
 
 from cases import make_case, rel_err, small_config
+from cpu_backends import CPU_BACKENDS, use_backend
 
 FORMATS = ["fp8_e4m3", "fp8_ds_mla"]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+BACKEND = "torch"  # the backend under test; the autouse fixture below sets it per test
+
+
+@pytest.fixture(autouse=True, params=CPU_BACKENDS)
+def backend(request, monkeypatch):
+    """Every test runs on the torch backend and on the native cpu backend."""
+    monkeypatch.setattr(sys.modules[__name__], "BACKEND", use_backend(request.param, monkeypatch))
 
 
 def run_both(case, **kwargs):
@@ -20,7 +31,7 @@ def run_both(case, **kwargs):
     schedule = {k: kwargs.pop(k) for k in ("buffer_size", "num_partitions") if k in kwargs}  # no effect on the math
     want, _ = ref.mla_prefill_decode_graph(a.q, a.kv, a.freqs_cis, a.gamma, a.batch, a.layer_idx, a.w_k, a.w_uk, a.w_uv,
                                            scale=a.scale, mask=mask, **kwargs)
-    got = openmla.mla_prefill_decode_graph(*b.fused_args(), scale=b.scale, backend="torch", mask=mask, **kwargs, **schedule)
+    got = openmla.mla_prefill_decode_graph(*b.fused_args(), scale=b.scale, backend=BACKEND, mask=mask, **kwargs, **schedule)
     assert not torch.isnan(got).any()
     return got, want, a, b
 
@@ -66,7 +77,7 @@ def test_fp8_query_on_fp8_cache_gives_bf16():
     scale = torch.tensor([0.01, 0.02, 0.03])
     q8 = (case.q.float() / scale[:, None, None]).to(FP8)
     a, b = case.clone_cache(), case.clone_cache()
-    got = openmla.mla_prefill_decode_graph(q8, *b.fused_args()[1:], scale=case.scale, q_scale=scale, backend="torch")
+    got = openmla.mla_prefill_decode_graph(q8, *b.fused_args()[1:], scale=case.scale, q_scale=scale, backend=BACKEND)
     want = openmla.mla_prefill_decode_graph(q8, *a.fused_args()[1:], scale=case.scale, q_scale=scale, backend="reference")
     assert got.dtype == torch.bfloat16 and rel_err(got, want) < 2e-2
 

@@ -1,4 +1,4 @@
-"""The torch backend's prefill form (up-projected MHA) against the float64 reference.
+"""The CPU backends' prefill form (up-projected MHA) against the float64 reference (torch and cpu).
 
 Every case draws a fresh seed (printed in the failure message). ``make_case`` hands pages out
 in a shuffled order; on top of that every cache row that belongs to no sequence is NaN, and
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import random
+import sys
 import threading
 
 import pytest
@@ -22,6 +23,7 @@ from openmla import reference as ref
 from openmla.masks import MaskKind
 
 from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
+from cpu_backends import CPU_BACKENDS, use_backend
 
 # The package re-exports the function ``prefill``; the module holds the tunables and helpers.
 tpre = importlib.import_module("openmla.backends.torch_cpu.prefill")
@@ -29,6 +31,14 @@ tpre = importlib.import_module("openmla.backends.torch_cpu.prefill")
 MASKS = MASK_CASES
 MASK_IDS = [m for m, _ in MASKS]
 DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
+
+BACKEND = "torch"  # the backend under test; the autouse fixture below sets it per test
+
+
+@pytest.fixture(autouse=True, params=CPU_BACKENDS)
+def backend(request, monkeypatch):
+    """Every test runs on the torch backend and on the native cpu backend."""
+    monkeypatch.setattr(sys.modules[__name__], "BACKEND", use_backend(request.param, monkeypatch))
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +72,7 @@ def ref_prefill(case: Case, mask="causal", window_size=None, chunk_size=None, **
 
 def torch_prefill(case: Case, **kw):
     return openmla.mla_prefill(case.q, case.batch, case.layer_idx, case.w_k, case.w_uv, scale=case.scale,
-                               return_lse=True, backend="torch", **kw)
+                               return_lse=True, backend=BACKEND, **kw)
 
 
 def check_prefill(case: Case, **kw):
@@ -182,7 +192,7 @@ def test_tiles_give_equal_results(dtype):
     for bm, bn in [(2, 4), (8, 8), (16, 64), (64, 16), (128, 1024)]:
         tile = MlaConfigV2(cfg.num_heads, cfg.qk_head_dim, cfg.v_head_dim, bm, bn, dtype, dtype)
         out, lse = openmla.mla_prefill_v2_ragged(case.q, k, v, bro, co, case.batch, case.layer_idx, scale=case.scale,
-                                                 config=tile, return_lse=True, backend="torch")
+                                                 config=tile, return_lse=True, backend=BACKEND)
         assert_close(out, want, TOL[dtype], f"tile {bm}x{bn}", case.seed)
         assert_lse(lse, want_lse, TOL[dtype], case.seed)
         results.append(out)
@@ -200,7 +210,7 @@ def test_flare_chunks_merge_to_full(mask, extra):
     for c in range(int((blen >= 0).sum())):
         k, v = up_projected_buffer(case, bro[c], co[c])
         part = openmla.flare_mla_prefill(case.q, k, v, bro[c], co[c], b, case.layer_idx, scale=case.scale,
-                                         return_lse=True, backend="torch", **mask_kw(mask, extra))
+                                         return_lse=True, backend=BACKEND, **mask_kw(mask, extra))
         assert not torch.isnan(part[0]).any(), f"NaN in chunk {c} (seed {case.seed})"
         out, lse = part if out is None else openmla.merge_states(out, lse, *part)
     want, want_lse = ref_prefill(case, **mask_kw(mask, extra))
@@ -216,7 +226,7 @@ def test_flare_rows_without_keys():
     co = torch.tensor([16, 4, 4], dtype=torch.int32)
     k, v = up_projected_buffer(case, bro, co)
     out, lse = openmla.flare_mla_prefill(case.q, k, v, bro, co, b, case.layer_idx, scale=case.scale,
-                                         return_lse=True, backend="torch")
+                                         return_lse=True, backend=BACKEND)
     want, want_lse = ref.flare_mla_prefill(case.q, k, v, bro, co, b, case.layer_idx, scale=case.scale)
     assert bool(torch.isinf(want_lse).any())
     assert_close(out, want, 1e-5, "flare", case.seed)
@@ -228,7 +238,7 @@ def test_flare_matches_reference_bf16_deepseek():
     case = prefill_case([15, 0], [11, 19], heads=2, dims=DEEPSEEK, dtype=torch.bfloat16)
     k, v, bro, co = one_chunk(case)
     out, lse = openmla.flare_mla_prefill(case.q, k, v, bro, co, case.batch, case.layer_idx, scale=case.scale,
-                                         mask="sliding_window_causal", window_size=6, return_lse=True, backend="torch")
+                                         mask="sliding_window_causal", window_size=6, return_lse=True, backend=BACKEND)
     want, want_lse = ref.flare_mla_prefill(case.q, k, v, bro, co, case.batch, case.layer_idx, scale=case.scale,
                                            mask=MaskVariant.parse("sliding_window_causal", 6))
     assert_close(out, want, TOL[torch.bfloat16], "flare bf16", case.seed)
@@ -286,7 +296,7 @@ def test_fused_op_runs_prefill_form(mask, extra):
     case = make_case([5, 0, 17], [12, 1, 9], config=small_config(4), dtype=torch.bfloat16)
     other = case.clone_cache()
     assert case.batch.max_new_tokens > openmla.DECODE_MAX_Q_LEN
-    out, lse = openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, return_lse=True, backend="torch",
+    out, lse = openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, return_lse=True, backend=BACKEND,
                                                 **mask_kw(mask, extra))
     want, want_lse = ref.mla_prefill_decode_graph(
         other.q, other.kv, other.freqs_cis, other.gamma, other.batch, other.layer_idx, other.w_k, other.w_uk,

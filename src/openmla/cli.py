@@ -1,4 +1,5 @@
-"""``openmla demo | bench | check | generate``: the main job, a smoke test for a new machine, the benchmarks, whole models."""
+"""``openmla demo | bench | check | build | generate``: the main job, the benchmarks, a smoke test for a
+new machine, the ahead-of-time build of the native CPU kernels, and whole models."""
 
 from __future__ import annotations
 
@@ -94,9 +95,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # check -------------------------------------------------------------------------------
-def _available_backends() -> list[tuple[str, str]]:
-    """(backend, why-not) pairs: why-not is empty when the backend can run here."""
+def _available_backends(only: str | None = None) -> list[tuple[str, str]]:
+    """(backend, why-not) pairs (``only``: just that backend): why-not is empty when the backend
+    can run here."""
     out = [("torch", "")]
+    if only in (None, "cpu"):  # asking builds the native kernels
+        from .backends.cpu import build
+
+        reason = build.unavailable_reason()
+        out.append(("cpu", f"the native kernels did not build: {reason}" if reason else ""))
     try:
         import triton  # noqa: F401
 
@@ -116,7 +123,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for col in ("backend", "case", "dtype", "max rel err", "tolerance", "result"):
         table.add_column(col)
     failures = 0
-    for backend, why_not in _available_backends():
+    for backend, why_not in _available_backends(args.backend):
         if args.backend and backend != args.backend:
             continue
         if why_not:
@@ -141,7 +148,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            page_size=args.page_size, dtype=dtype, cache_dtype=_cache_dtype(args), backend=args.backend,
                            baselines=not args.no_baselines,
                            repeats=args.repeats, log=lambda s: console.print(s, highlight=False))
-    table = Table(title=f"openmla bench — {args.dtype}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
+    from .backends import resolve_backend_name
+
+    ran = resolve_backend_name(args.backend, torch.device("cpu"))
+    table = Table(title=f"openmla bench — backend {ran}, {args.dtype}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
     for col in ("phase", "impl", "heads", "context", "batch", "ms", "achieved", "of matmul", "openmla speed-up"):
         table.add_column(col, justify="left" if col in ("phase", "impl") else "right")
     ours = {(r.phase, r.heads, r.context): r.seconds for r in rows if r.impl.startswith("openmla")}
@@ -153,6 +163,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(table)
     json_path, png_path = save_results(rows, peak, args.out, dtype)
     console.print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (install matplotlib for the plot)"))
+    return 0
+
+
+# build -------------------------------------------------------------------------------
+def cmd_build(args: argparse.Namespace) -> int:
+    import time
+
+    from .backends.cpu import build, kernels
+
+    t0 = time.perf_counter()
+    if not build.load(verbose=args.verbose):
+        console.print(f"[red]the native CPU kernels did not build[/]: {build.unavailable_reason()}")
+        return 1
+    console.print(f"native CPU kernels ready in {time.perf_counter() - t0:.1f} s: {build.build_dir()}")
+    console.print(f"bf16 brgemm: {'yes' if kernels.bf16_gemm() else 'no (bf16 inputs compute in float32)'}; "
+                  f"oneDNN picks AMX or AVX-512 at run time (ONEDNN_MAX_CPU_ISA limits it)")
     return 0
 
 
@@ -176,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-pages", type=int, default=None, help="page pool size (default: a tight pool)")
     d.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     d.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
-    d.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
+    d.add_argument("--backend", default=None, choices=["cpu", "torch", "triton", "reference"])
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads split); run under torchrun")
@@ -193,16 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--page-size", type=int, default=64)
     b.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     b.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
-    b.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
+    b.add_argument("--backend", default=None, choices=["cpu", "torch", "triton", "reference"])
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-baselines", action="store_true")
     b.add_argument("--out", default="bench/out", help="folder for bench.json and bench.png")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("check", help="run each available backend against the reference on random cases")
-    c.add_argument("--backend", default=None, choices=["torch", "triton"])
+    c.add_argument("--backend", default=None, choices=["cpu", "torch", "triton"])
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=cmd_check)
+
+    k = sub.add_parser("build", help="compile the native CPU kernels now (otherwise on first use)")
+    k.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    k.set_defaults(func=cmd_build)
 
     from .hf.cli import add_generate_parser  # openmla generate MODEL_DIR (needs transformers when run)
 

@@ -1,0 +1,110 @@
+"""Compile and load the native CPU kernels (``csrc/``) with ``torch.utils.cpp_extension``.
+
+The library is built on first use (about a minute on 2 cores, one translation unit) or ahead
+of time by ``openmla build``, into a folder keyed by the torch version, the CPU's instruction
+set flags and a hash of the sources: a machine (or torch) change gets its own build, a cached
+one loads in milliseconds. The code is compiled for the build machine (``-march=native``);
+oneDNN's brgemm picks AMX or AVX-512 at run time.
+
+Where no compiler is found or the build fails, :func:`load` warns once and returns False, and
+the ``cpu`` backend reports itself unavailable (callers fall back to the ``torch`` backend).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("openmla_cpu.cpp",)
+OP_NAMESPACE = "openmla_cpu"
+
+_state: dict = {}  # "loaded": bool, "error": str
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``), or the machine name elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return sorted(set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return [platform.machine(), platform.processor()]
+
+
+def compile_flags(flags: list[str]) -> list[str]:
+    """``-march=native`` plus the ATen vector width matching it (``at::vec`` picks its 512- or
+    256-bit implementation from ``CPU_CAPABILITY_*``)."""
+    have = set(flags)
+    out = ["-O3", "-fopenmp", "-march=native", "-DNDEBUG"]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= have:
+        out.append("-DCPU_CAPABILITY_AVX512")
+    elif {"avx2", "fma"} <= have:
+        out.append("-DCPU_CAPABILITY_AVX2")
+    return out
+
+
+def build_key() -> str:
+    """Hash of the torch version, the CPU flags and the kernel sources."""
+    h = hashlib.sha256()
+    h.update(torch.__version__.encode())
+    h.update(" ".join(cpu_flags()).encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """``$OPENMLA_CACHE_DIR`` (default ``~/.cache/openmla``) / ``cpu-kernels`` / ``torch-<version>-<key>``."""
+    root = Path(os.environ.get("OPENMLA_CACHE_DIR") or Path.home() / ".cache" / "openmla")
+    return root / "cpu-kernels" / f"torch-{torch.__version__.replace('+', '_')}-{build_key()}"
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (if needed) and load the kernels into ``torch.ops.openmla_cpu``; False (with one
+    warning per process) when that is impossible here."""
+    if "loaded" in _state:
+        return _state["loaded"]
+    try:
+        from torch.utils import cpp_extension
+
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"openmla_cpu_{folder.name.rsplit('-', 1)[-1]}"
+        if verbose or not (folder / f"{name}.so").exists():
+            print(f"openmla: compiling the native CPU kernels into {folder} (once per machine and torch version)",
+                  file=sys.stderr, flush=True)
+        cpp_extension.load(
+            name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=compile_flags(cpu_flags()),
+            extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=verbose,
+        )
+        _state["loaded"] = True
+    except Exception as exc:  # no compiler, a failed build, an unsupported platform
+        _state["loaded"] = False
+        _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        warnings.warn(f"openmla: the native CPU kernels are unavailable ({_state['error']}); using the torch backend",
+                      RuntimeWarning, stacklevel=2)
+    return _state["loaded"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot load here (None when they load)."""
+    return None if load() else _state.get("error", "unknown")
+
+
+def ops():
+    """The operators (``torch.ops.openmla_cpu``), loading them if needed; RuntimeError when
+    they cannot load here."""
+    if not load():
+        raise RuntimeError(f"openmla: the native CPU kernels are unavailable ({_state.get('error')})")
+    return getattr(torch.ops, OP_NAMESPACE)

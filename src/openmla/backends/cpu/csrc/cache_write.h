@@ -1,0 +1,152 @@
+// The per-token cache write in one pass: RMSNorm of the latent, RoPE of the key rope part, the
+// store at the token's physical row (quantised for the fp8 formats), and q's rope rotation.
+//
+// The entry is computed in float64 (as the float64 reference) and rounded once to the cache
+// type; fp8_e4m3 stores round(float32(entry) / kv_scale), fp8_ds_mla quantises each group of
+// 128 latent values by its amax / 448 and keeps the rope part in bfloat16 (openmla.fp8).
+// q's rope part is rotated in float32.
+#pragma once
+
+#include "operands.h"
+
+namespace openmla {
+
+constexpr float FP8_MAX = 448.f;
+
+struct WriteArgs {
+  const void* q = nullptr;  // [T, H, Dq], rows contiguous
+  at::ScalarType q_type = at::kFloat;
+  int64_t T = 0, H = 0, Dq = 0;
+  const void* kv = nullptr;  // [T, L + R], row stride kv_ld
+  at::ScalarType kv_type = at::kFloat;
+  int64_t kv_ld = 0;
+  const void* freqs = nullptr;  // [max_pos, R] interleaved (cos, sin), row stride freqs_ld
+  bool freqs_f64 = false;
+  int64_t freqs_ld = 0;
+  const float* gamma = nullptr;  // [L]
+  PagedCache cache;              // written through base
+  const int32_t* cache_lens = nullptr;
+  const int32_t* offsets = nullptr;
+  int64_t B = 0;
+  double eps = 1e-6;
+  bool interleaved = true;
+  void* q_out = nullptr;  // [T, H, Dq] in q_type
+};
+
+template <typename S>
+inline void load_float(const void* src, int64_t i, float* dst, int64_t n) {
+  convert_row(static_cast<const S*>(src) + i, dst, n);
+}
+
+inline void load_any(at::ScalarType t, const void* src, int64_t i, float* dst, int64_t n) {
+  switch (t) {
+    case at::kBFloat16: load_float<BFloat16>(src, i, dst, n); break;
+    case at::kHalf: load_float<Half>(src, i, dst, n); break;
+    default: load_float<float>(src, i, dst, n);
+  }
+}
+
+inline void store_any(at::ScalarType t, void* dst, int64_t i, const float* src, int64_t n) {
+  switch (t) {
+    case at::kBFloat16: convert_row(src, static_cast<BFloat16*>(dst) + i, n); break;
+    case at::kHalf: convert_row(src, static_cast<Half*>(dst) + i, n); break;
+    default: std::memcpy(static_cast<float*>(dst) + i, src, n * sizeof(float));
+  }
+}
+
+inline uint8_t fp8_bits(float x) {
+  const float c = std::min(FP8_MAX, std::max(-FP8_MAX, x));
+  return c10::Float8_e4m3fn(c).x;
+}
+
+struct CacheWriter {
+  const WriteArgs& a;
+
+  // (cos, sin) of rope pair i at position p.
+  std::pair<double, double> cos_sin(int64_t p, int64_t i) const {
+    if (a.freqs_f64) {
+      const double* f = static_cast<const double*>(a.freqs) + p * a.freqs_ld;
+      return {f[2 * i], f[2 * i + 1]};
+    }
+    const float* f = static_cast<const float*>(a.freqs) + p * a.freqs_ld;
+    return {f[2 * i], f[2 * i + 1]};
+  }
+
+  int64_t pair_a(int64_t i, int64_t R) const { return a.interleaved ? 2 * i : i; }
+  int64_t pair_b(int64_t i, int64_t R) const { return a.interleaved ? 2 * i + 1 : i + R / 2; }
+
+  void token(int64_t t, int64_t b, int64_t p, float* buf) const {
+    const int64_t L = a.cache.L, R = a.cache.R, W = L + R;
+    float* x = buf;      // [W] the input row
+    double* e = reinterpret_cast<double*>(buf + round_up(W, 16));  // [W] the entry
+    load_any(a.kv_type, a.kv, t * a.kv_ld, x, W);
+    double ss = 0.0;
+    for (int64_t j = 0; j < L; ++j) ss += (double)x[j] * x[j];
+    const double inv = 1.0 / std::sqrt(ss / (double)L + a.eps);
+    for (int64_t j = 0; j < L; ++j) e[j] = (double)x[j] * inv * (double)a.gamma[j];
+    for (int64_t i = 0; i < R / 2; ++i) {
+      auto [cs, sn] = cos_sin(p, i);
+      const double xa = x[L + pair_a(i, R)], xb = x[L + pair_b(i, R)];
+      e[L + pair_a(i, R)] = xa * cs - xb * sn;
+      e[L + pair_b(i, R)] = xa * sn + xb * cs;
+    }
+    store(const_cast<uint8_t*>(a.cache.logical(b, p)), e, buf + round_up(W, 16) * 3);
+
+    // q: nope part copied, rope part rotated in float32.
+    const int64_t Dq = a.Dq, Dn = Dq - R;
+    float* qrow = buf + round_up(W, 16) * 3 + round_up(W, 16);
+    for (int64_t h = 0; h < a.H; ++h) {
+      const int64_t off = (t * a.H + h) * Dq;
+      load_any(a.q_type, a.q, off, qrow, Dq);
+      for (int64_t i = 0; i < R / 2; ++i) {
+        auto [cs, sn] = cos_sin(p, i);
+        const float c = (float)cs, s = (float)sn;
+        const float xa = qrow[Dn + pair_a(i, R)], xb = qrow[Dn + pair_b(i, R)];
+        qrow[Dn + pair_a(i, R)] = xa * c - xb * s;
+        qrow[Dn + pair_b(i, R)] = xa * s + xb * c;
+      }
+      store_any(a.q_type, a.q_out, off, qrow, Dq);
+    }
+  }
+
+  // Round the float64 entry e [L+R] into the stored row ``dst``.
+  void store(uint8_t* dst, const double* e, float* tmp) const {
+    const int64_t L = a.cache.L, R = a.cache.R, W = L + R;
+    for (int64_t j = 0; j < W; ++j) tmp[j] = (float)e[j];
+    switch (a.cache.fmt) {
+      case FMT_BF16: convert_row(tmp, reinterpret_cast<BFloat16*>(dst), W); break;
+      case FMT_F16: convert_row(tmp, reinterpret_cast<Half*>(dst), W); break;
+      case FMT_F32: std::memcpy(dst, tmp, W * sizeof(float)); break;
+      case FMT_E4M3:
+        for (int64_t j = 0; j < W; ++j) dst[j] = fp8_bits(tmp[j] / a.cache.kv_scale);
+        break;
+      default: {  // fp8_ds_mla
+        for (int64_t g = 0; g < L / DS_GROUP; ++g) {
+          float amax = 0.f;
+          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) amax = std::max(amax, std::fabs(tmp[j]));
+          const float scale = amax > 0.f ? amax / FP8_MAX : 1.f;
+          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) dst[j] = fp8_bits(tmp[j] / scale);
+          std::memcpy(dst + L + 4 * g, &scale, 4);
+        }
+        convert_row(tmp + L, reinterpret_cast<BFloat16*>(dst + L + 4 * (L / DS_GROUP)), R);
+      }
+    }
+  }
+};
+
+inline void run_cache_write(const WriteArgs& a) {
+  std::vector<int32_t> seq(a.T);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t t = a.offsets[b]; t < a.offsets[b + 1]; ++t) seq[t] = (int32_t)b;
+  CacheWriter w{a};
+  const int64_t W = a.cache.L + a.cache.R;
+  at::parallel_for(0, a.T, 16, [&](int64_t t0, int64_t t1) {
+    float* buf = scratch<float>(S_KEYS, round_up(W, 16) * 4 + a.Dq);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = seq[t];
+      w.token(t, b, a.cache_lens[b] + (t - a.offsets[b]), buf);
+    }
+  });
+}
+
+}  // namespace openmla

@@ -1,0 +1,346 @@
+// Absorbed (MQA) decode over the paged latent cache.
+//
+// Work is cut into units: one sequence's query rows (tokens x heads, at most DECODE_MAX_ROWS)
+// against one part of their key range (split-KV), or for sparse attention one token's heads
+// against one part of its listed keys. A unit walks its keys in blocks:
+//   scores  S[n, M] = keys[n, D] x Q^T        (keys-major: the cache rows are the A operand,
+//                                              read in place from the pages when possible)
+//   S^T, online softmax per query row -> P[M, n] in the compute type
+//   O[M, L] += P x V                          (V = the first L key columns, packed for B)
+// Parts of one row group are merged by LSE by whichever unit finishes last, so a call is one
+// parallel region.
+#pragma once
+
+#include "operands.h"
+#include "softmax.h"
+
+#include <memory>
+
+namespace openmla {
+
+// Tuning, measured on a 2-core AMX Xeon (bench/RESULTS.md).
+constexpr int64_t DECODE_BLOCK = 256;     // keys per block (four 64-key pages)
+constexpr int64_t DECODE_MAX_ROWS = 128;  // query rows (tokens x heads) of one unit
+constexpr int64_t INPLACE_MIN_PAGE = 16;  // bf16 pages of at least this many rows are read in place
+constexpr int64_t MIN_PART_KEYS = 512;    // automatic split-KV never cuts parts smaller than this
+
+struct DecodeArgs {
+  const void* q = nullptr;  // [T, H, D] in the compute type, contiguous
+  int64_t T = 0, H = 0, D = 0;
+  PagedCache cache;
+  const int32_t* cache_lens = nullptr;  // [B]
+  const int32_t* offsets = nullptr;     // [B + 1]
+  int64_t B = 0;
+  Mask mask;
+  float scale = 1.f;
+  const int32_t* sparse = nullptr;  // [T, sparse_stride] or null (dense)
+  int64_t sparse_stride = 0, sparse_cols = 0;
+  const int32_t* topk = nullptr;  // [B] or null
+  bool physical = true;
+  const float* sink = nullptr;  // [H] (sink_stride 0) or [B, H] (sink_stride H)
+  int64_t sink_stride = 0;
+  int64_t num_partitions = 0;  // 0: automatic
+  float out_scale = 1.f;       // final outputs are multiplied by this (a folded fp8_e4m3 kv_scale)
+  void* out = nullptr;         // [T, H, L] in the compute type
+  float* lse = nullptr;        // [T, H]
+};
+
+struct DecodeUnit {
+  int32_t b, t0, nt, h0, nh;  // sequence, first token row, tokens, first head, heads
+  int32_t group, part;
+  int64_t k_lo, k_hi;  // key positions (dense) or sparse slots of this part
+  int64_t cost;
+};
+
+struct DecodeGroup {
+  int32_t nparts = 1;
+  int64_t partial = 0;  // first row of this group's parts in the partial buffers
+  int64_t rows = 0;     // M
+};
+
+struct DecodePlan {
+  std::vector<DecodeUnit> units;
+  std::vector<DecodeGroup> groups;
+  int64_t partial_rows = 0;
+  double work_s = 0;  // estimated single-thread seconds
+  bool inplace = false;
+  int64_t align = DECODE_BLOCK;  // key grid that blocks and part cuts follow
+};
+
+template <typename T>
+bool decode_inplace(const DecodeArgs& a) {
+  return std::is_same_v<T, BFloat16> && a.sparse == nullptr && a.cache.fmt == FMT_BF16 &&
+         a.cache.page_size >= INPLACE_MIN_PAGE && a.cache.row_stride % 2 == 0;
+}
+
+// Key blocks of a dense range: the grid cell of a position and its rows.
+struct KeyBlock {
+  int64_t base;    // position of block row 0
+  int64_t rows;    // rows the score GEMM computes
+  int64_t a, b;    // visible positions [a, b) of this block (within the unit's range)
+};
+
+inline KeyBlock next_block(const DecodePlan& plan, int64_t page_size, int64_t pos, int64_t k_hi) {
+  const int64_t G = plan.align;
+  if (!plan.inplace) {
+    const int64_t end = std::min(k_hi, (pos / G + 1) * G);
+    return {pos, end - pos, pos, end};
+  }
+  if (page_size <= DECODE_BLOCK) {  // whole pages, G = pages per block * page_size
+    const int64_t end = std::min(k_hi, (pos / G + 1) * G);
+    const int64_t base = pos / page_size * page_size;
+    return {base, ceil_div(end, page_size) * page_size - base, pos, end};
+  }
+  // long pages: slabs of DECODE_BLOCK rows inside a page
+  const int64_t page0 = pos / page_size * page_size;
+  const int64_t slab = page0 + (pos - page0) / DECODE_BLOCK * DECODE_BLOCK;
+  const int64_t slab_end = std::min(slab + DECODE_BLOCK, page0 + page_size);
+  return {slab, slab_end - slab, pos, std::min(k_hi, slab_end)};
+}
+
+inline DecodePlan plan_decode(const DecodeArgs& a, bool inplace) {
+  DecodePlan plan;
+  plan.inplace = inplace;
+  const int64_t ps = a.cache.page_size;
+  if (inplace) plan.align = ps <= DECODE_BLOCK ? (DECODE_BLOCK / ps) * ps : ps;
+  struct Pending {
+    int32_t b, t0, nt, h0, nh;
+    int64_t lo, hi;
+  };
+  std::vector<Pending> pend;
+  const int64_t H = a.H;
+  const int64_t head_chunks = ceil_div(H, DECODE_MAX_ROWS);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t n = a.offsets[b + 1] - a.offsets[b];
+    if (n <= 0) continue;
+    const int64_t c = a.cache_lens[b], kv_len = c + n;
+    const int64_t tok_chunk = std::max<int64_t>(1, DECODE_MAX_ROWS / H);
+    for (int64_t hc = 0; hc < head_chunks; ++hc) {
+      const int64_t h0 = H * hc / head_chunks, h1 = H * (hc + 1) / head_chunks;
+      if (a.sparse) {
+        int64_t slots = a.sparse_cols;
+        if (a.topk) slots = std::min<int64_t>(slots, std::max<int32_t>(0, a.topk[b]));
+        for (int64_t i = 0; i < n; ++i)
+          pend.push_back({(int32_t)b, (int32_t)(a.offsets[b] + i), 1, (int32_t)h0, (int32_t)(h1 - h0), 0, slots});
+      } else {
+        const int64_t chunks = ceil_div(n, tok_chunk);
+        for (int64_t ci = 0; ci < chunks; ++ci) {
+          const int64_t i0 = n * ci / chunks, i1 = n * (ci + 1) / chunks;
+          auto [lo, hi] = a.mask.key_range(c + i0, c + i1 - 1, kv_len);
+          pend.push_back({(int32_t)b, (int32_t)(a.offsets[b] + i0), (int32_t)(i1 - i0), (int32_t)h0, (int32_t)(h1 - h0), lo, hi});
+        }
+      }
+    }
+  }
+  const int64_t align = a.sparse ? DECODE_BLOCK : plan.align;
+  int64_t total = 0;
+  for (auto& p : pend) total += (p.hi - p.lo + DECODE_BLOCK) * p.nt * p.nh;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t target = std::max<int64_t>(1, total / (2 * threads));
+  for (size_t g = 0; g < pend.size(); ++g) {
+    const Pending& p = pend[g];
+    const int64_t keys = p.hi - p.lo, M = p.nt * p.nh;
+    int64_t parts;
+    if (a.num_partitions > 0) {
+      parts = std::min<int64_t>(a.num_partitions, std::max<int64_t>(1, ceil_div(keys, std::min(align, keys + 1))));
+    } else {
+      const int64_t cost = (keys + DECODE_BLOCK) * M;
+      parts = std::clamp<int64_t>(ceil_div(cost, target), 1, std::max<int64_t>(1, keys / MIN_PART_KEYS));
+    }
+    DecodeGroup grp;
+    grp.nparts = (int32_t)parts;
+    grp.rows = M;
+    if (parts > 1) {
+      grp.partial = plan.partial_rows;
+      plan.partial_rows += parts * M;
+    }
+    plan.groups.push_back(grp);
+    int64_t prev = p.lo;
+    for (int64_t i = 0; i < parts; ++i) {
+      int64_t cut = p.hi;
+      if (i + 1 < parts) {
+        cut = p.lo + keys * (i + 1) / parts;
+        if (!a.sparse) cut = (cut + align / 2) / align * align;
+        cut = std::clamp(cut, prev, p.hi);
+      }
+      plan.units.push_back({p.b, p.t0, p.nt, p.h0, p.nh, (int32_t)g, (int32_t)i, prev, cut, (cut - prev + DECODE_BLOCK) * M});
+      plan.work_s += (double)(cut - prev) * (2.0 * M * (2 * a.D) / EST_FLOPS_PER_S + a.cache.row_stride / EST_BYTES_PER_S);
+      prev = cut;
+    }
+  }
+  std::stable_sort(plan.units.begin(), plan.units.end(), [](const DecodeUnit& x, const DecodeUnit& y) { return x.cost > y.cost; });
+  return plan;
+}
+
+template <typename T>
+struct DecodeKernel {
+  const DecodeArgs& a;
+  const DecodePlan& plan;
+  float* partial_o;    // [partial_rows, L]
+  float* partial_lse;  // [partial_rows]
+  std::atomic<int32_t>* done;  // per group
+
+  int64_t L() const { return a.cache.L; }
+
+  float sink_of(int64_t b, int64_t h) const {
+    return a.sink ? a.sink[b * a.sink_stride + h] : std::numeric_limits<float>::quiet_NaN();
+  }
+
+  void run(const DecodeUnit& u) const {
+    const int64_t M = (int64_t)u.nt * u.nh, D = a.D, L = this->L();
+    constexpr int64_t BN = DECODE_BLOCK;
+    const int64_t n_max = plan.inplace ? std::max<int64_t>(round_up(plan.align, 32), round_up(BN, 32)) : BN;
+
+    // Q^T as the B operand of the score GEMM: [D][M] (VNNI pairs for bf16).
+    T* QT = scratch<T>(S_QT, D * M);
+    const T* q = static_cast<const T*>(a.q);
+    for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, QT, M, i * u.nh);
+
+    float* O = scratch<float>(S_ACC, M * L);
+    float* rowf = scratch<float>(S_ROWS, 2 * M);
+    float *ref = rowf, *sum = rowf + M;
+    std::fill(ref, ref + M, NEG_INF);
+    std::fill(sum, sum + M, 0.f);
+    int32_t* cols = scratch<int32_t>(S_PTRS, 2 * M + 2 * u.nt);
+    int32_t *c0 = cols, *c1 = cols + M, *tlo = cols + 2 * M, *thi = tlo + u.nt;
+    float* S = scratch<float>(S_SCORES, round_up(n_max, 16) * M);
+    T* PT = scratch<T>(S_SCORES_T, n_max * M);
+    T* P = scratch<T>(S_PROBS, M * n_max);
+    T* Vp = scratch<T>(S_VPACK, n_max * L);
+    T* keys = scratch<T>(S_KEYS, round_up(n_max, 16) * D);
+    const T** vrows = scratch<const T*>(S_KPACK, n_max);
+
+    // One block of n rows (scores already in S [rows16][M]): softmax and P x V (V packed from
+    // vrows unless ``packed``).
+    auto finish_block = [&](int64_t rows, bool packed) {
+      const int64_t n_pad = round_up(rows, 32);
+      softmax_keys_major<T>(S, M, rows, n_pad, c0, c1, a.scale, ref, sum, O, L, L, PT, P);
+      if (!packed) pack_b_rows<T>(vrows, rows, n_pad, L, Vp);
+      gemm(M, L, n_pad, n_pad, L, L, true, P, Vp, O);
+    };
+
+    if (a.sparse == nullptr) {
+      const int64_t b = u.b, c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
+      const int64_t i_first = u.t0 - a.offsets[b];
+      for (int64_t i = 0; i < u.nt; ++i) {
+        auto [lo, hi] = a.mask.key_range(c + i_first + i, c + i_first + i, kv_len);
+        tlo[i] = (int32_t)std::max(lo, u.k_lo);
+        thi[i] = (int32_t)std::min(hi, u.k_hi);
+      }
+      const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
+      for (int64_t pos = u.k_lo; pos < u.k_hi;) {
+        const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
+        if (plan.inplace) {
+          // V is packed first: that pass streams the block's rows from memory (the rope columns
+          // prefetched alongside), so the score GEMM then reads them from cache.
+          for (int64_t r = 0; r < kb.rows; ++r) {
+            const int64_t p = kb.base + r;
+            vrows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
+          }
+          pack_b_rows<T>(vrows, kb.rows, round_up(kb.rows, 32), L, Vp, (D - L) * (int64_t)sizeof(T));
+          const int64_t seg = std::min(a.cache.page_size, kb.rows);
+          for (int64_t r = 0; r < kb.rows; r += seg) {
+            if (kb.base + r + seg <= kb.a || kb.base + r >= kb.b) continue;  // no visible row in this page
+            const T* A = reinterpret_cast<const T*>(a.cache.logical(b, kb.base + r));
+            gemm(seg, M, D, row_elems, M, M, false, A, QT, S + r * M);
+          }
+        } else {
+          const int64_t stored = a.cache.stored_bytes();
+          for (int64_t r = 0; r < kb.rows; ++r) {
+            if (r + PACK_AHEAD < kb.rows) prefetch_bytes(a.cache.logical(b, kb.base + r + PACK_AHEAD), stored);
+            a.cache.load<T>(a.cache.logical(b, kb.base + r), keys + r * D, 0, D);
+            vrows[r] = keys + r * D;
+          }
+          gemm(round_up(kb.rows, 16), M, D, D, M, M, false, keys, QT, S);
+        }
+        for (int64_t i = 0; i < u.nt; ++i) {
+          const int32_t lo = (int32_t)std::max<int64_t>(tlo[i], kb.a) - (int32_t)kb.base;
+          const int32_t hi = (int32_t)std::min<int64_t>(thi[i], kb.b) - (int32_t)kb.base;
+          for (int64_t h = 0; h < u.nh; ++h) {
+            c0[i * u.nh + h] = lo;
+            c1[i * u.nh + h] = std::max(lo, hi);
+          }
+        }
+        finish_block(kb.rows, plan.inplace);
+        pos = kb.b;
+      }
+    } else {
+      // Sparse: this token's valid listed keys, compacted, in blocks of BN.
+      const int64_t b = u.b, t = u.t0;
+      const int64_t c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
+      const int64_t p = c + (t - a.offsets[b]);
+      auto [lo, hi] = a.mask.key_range(p, p, kv_len);
+      const int32_t* idx = a.sparse + t * a.sparse_stride;
+      int64_t slot = u.k_lo;
+      while (slot < u.k_hi) {
+        int64_t n = 0;
+        for (; slot < u.k_hi && n < BN; ++slot) {
+          const int64_t e = idx[slot];
+          if (e < 0) continue;
+          const uint8_t* src;
+          if (a.physical) {
+            src = a.cache.phys(e);
+          } else {
+            if (e < lo || e >= hi) continue;
+            src = a.cache.logical(b, e);
+          }
+          a.cache.load<T>(src, keys + n * D, 0, D);
+          vrows[n] = keys + n * D;
+          ++n;
+        }
+        if (n == 0) continue;
+        for (int64_t m = 0; m < M; ++m) {
+          c0[m] = 0;
+          c1[m] = (int32_t)n;
+        }
+        gemm(round_up(n, 16), M, D, D, M, M, false, keys, QT, S);
+        finish_block(n, false);
+      }
+    }
+    finish(u, O, ref, sum);
+  }
+
+  void finish(const DecodeUnit& u, const float* O, const float* ref, const float* sum) const {
+    const int64_t M = (int64_t)u.nt * u.nh, L = this->L();
+    const DecodeGroup& g = plan.groups[u.group];
+    T* out = static_cast<T*>(a.out);
+    if (g.nparts == 1) {
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t row = (u.t0 + m / u.nh) * a.H + u.h0 + m % u.nh;
+        finish_row(O + m * L, L, ref[m], sum[m], sink_of(u.b, u.h0 + m % u.nh), out + row * L, a.lse + row, a.out_scale);
+      }
+      return;
+    }
+    const int64_t base = g.partial + (int64_t)u.part * M;
+    for (int64_t m = 0; m < M; ++m) {
+      finish_row(O + m * L, L, ref[m], sum[m], std::numeric_limits<float>::quiet_NaN(), partial_o + (base + m) * L,
+                 partial_lse + base + m);
+    }
+    if (done[u.group].fetch_add(1, std::memory_order_acq_rel) + 1 != g.nparts) return;
+    // Last part of the group: merge every part's rows.
+    float* acc = scratch<float>(S_SCORES, L);  // the unit's scores are no longer needed
+    std::vector<const float*> po(g.nparts);
+    std::vector<float> pl(g.nparts);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t p = 0; p < g.nparts; ++p) {
+        po[p] = partial_o + (g.partial + p * M + m) * L;
+        pl[p] = partial_lse[g.partial + p * M + m];
+      }
+      auto [r, s] = merge_parts(po.data(), pl.data(), g.nparts, L, acc);
+      const int64_t row = (u.t0 + m / u.nh) * a.H + u.h0 + m % u.nh;
+      finish_row(acc, L, r, s, sink_of(u.b, u.h0 + m % u.nh), out + row * L, a.lse + row, a.out_scale);
+    }
+  }
+};
+
+template <typename T>
+void run_decode(const DecodeArgs& a) {
+  const DecodePlan plan = plan_decode(a, decode_inplace<T>(a));
+  std::unique_ptr<float[]> partial(new float[plan.partial_rows * (a.cache.L + 1) + 1]);  // every row is written
+  std::unique_ptr<std::atomic<int32_t>[]> done(new std::atomic<int32_t>[plan.groups.size() + 1]);
+  for (size_t g = 0; g < plan.groups.size(); ++g) done[g].store(0);
+  DecodeKernel<T> k{a, plan, partial.get(), partial.get() + plan.partial_rows * a.cache.L, done.get()};
+  run_units((int64_t)plan.units.size(), plan.work_s, std::is_same_v<T, BFloat16>, [&](int64_t i) { k.run(plan.units[i]); });
+}
+
+}  // namespace openmla

@@ -1,0 +1,242 @@
+// Moving cache rows into operands: row conversion (fp8 dequantisation included), the paged
+// cache's addressing, prefetching, and the packed layouts of brgemm's B operand.
+#pragma once
+
+#include "common.h"
+
+namespace openmla {
+
+// Row conversion ------------------------------------------------------------------------
+inline void zero_fill(void* dst, int64_t bytes) { std::memset(dst, 0, bytes); }
+
+template <typename S, typename T>
+inline void convert_row(const S* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, T>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else if constexpr (std::is_same_v<T, float>) {  // bf16 / fp16 -> float
+    using sVec = at::vec::Vectorized<S>;
+    int64_t j = 0;
+    for (; j + sVec::size() <= n; j += sVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<S>(sVec::loadu(src + j));
+      lo.store(dst + j);
+      hi.store(dst + j + fVec::size());
+    }
+    for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+  } else if constexpr (std::is_same_v<S, float>) {  // float -> bf16 / fp16
+    at::vec::convert(src, dst, n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(static_cast<float>(src[j]));
+  }
+}
+
+// Store 2 * VL floats into the compute type (bf16: one 32-value vector, rounded to nearest even).
+template <typename T>
+inline void store_pair(T* dst, const fVec& lo, const fVec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(dst);
+    hi.store(dst + VL);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+    at::vec::convert_from_float<T>(lo, hi).store(dst);
+#endif
+  }
+}
+
+// float8_e4m3fn -> float (one value).
+inline float fp8_to_float(uint8_t b) {
+  return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 32 float8_e4m3fn values as exact bf16 bits, built in 16-bit lanes (every e4m3 value is a bf16
+// value): (magnitude << 4) + (120 << 7) for normals, a table for the 8 subnormals, 0x7fc0 for
+// NaN, then the sign.
+inline __m512i fp8x32_bf16_bits(const uint8_t* src) {
+  alignas(64) static const uint16_t sub[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+  const __m512i m7f = _mm512_set1_epi16(0x7f);
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i em = _mm512_and_si512(x, m7f);
+  __m512i mag = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+  mag = _mm512_mask_mov_epi16(mag, _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)),
+                              _mm512_permutexvar_epi16(em, _mm512_load_si512(sub)));
+  mag = _mm512_mask_mov_epi16(mag, _mm512_cmpeq_epi16_mask(em, m7f), _mm512_set1_epi16(0x7fc0));
+  return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+// bf16 bits (16 of them, in a 256-bit half) -> float: the bits in the high half of each lane.
+inline __m512 bf16_bits_to_float(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// dst[j] = fp8(src[j]) * scale for n values, rounded once from float32 (as the reference's
+// fp8 -> float32, times the float32 scale, then the compute type).
+template <typename T>
+inline void dequant_fp8(const uint8_t* src, float scale, T* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const fVec vscale(scale);
+  for (; j + 32 <= n; j += 32) {
+    const __m512i b = fp8x32_bf16_bits(src + j);
+    const fVec lo = fVec(bf16_bits_to_float(_mm512_castsi512_si256(b))) * vscale;
+    const fVec hi = fVec(bf16_bits_to_float(_mm512_extracti64x4_epi64(b, 1))) * vscale;
+    store_pair(dst + j, lo, hi);
+  }
+#endif
+  for (; j < n; ++j) dst[j] = static_cast<T>(fp8_to_float(src[j]) * scale);
+}
+
+// float8_e4m3fn -> the compute type, exact (no scale).
+template <typename T>
+inline void fp8_to_exact(const uint8_t* src, T* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    for (; j + 32 <= n; j += 32) _mm512_storeu_si512(dst + j, fp8x32_bf16_bits(src + j));
+  }
+#endif
+  if (j < n) dequant_fp8(src + j, 1.f, dst + j, n - j);
+}
+
+// Cache formats (openmla.fp8): native entries, fp8_e4m3 (entry / kv_scale), or fp8_ds_mla
+// records (L fp8 latent values, L/128 float32 scales, R bfloat16 rope values).
+enum CacheFormat : int64_t { FMT_BF16 = 0, FMT_F16 = 1, FMT_F32 = 2, FMT_E4M3 = 3, FMT_DS_MLA = 4 };
+constexpr int64_t DS_GROUP = 128;
+
+struct PagedCache {
+  const uint8_t* base = nullptr;  // one layer's storage
+  int64_t page_stride = 0;        // bytes between pages
+  int64_t row_stride = 0;         // bytes between the rows of a page
+  int64_t page_size = 1;
+  int64_t fmt = FMT_BF16;
+  float kv_scale = 1.f;
+  int64_t L = 0, R = 0;  // latent and rope widths: an entry is L + R values
+  const int32_t* table = nullptr;  // block_table [B, table_stride]
+  int64_t table_stride = 0;
+  bool e4m3_unscaled = false;  // read fp8_e4m3 entries without kv_scale (the caller folds it in)
+
+  int64_t width() const { return L + R; }
+  // Bytes of one stored entry.
+  int64_t stored_bytes() const {
+    switch (fmt) {
+      case FMT_BF16: case FMT_F16: return 2 * (L + R);
+      case FMT_F32: return 4 * (L + R);
+      case FMT_E4M3: return L + R;
+      default: return L + 4 * (L / DS_GROUP) + 2 * R;
+    }
+  }
+  const uint8_t* phys(int64_t row) const { return base + (row / page_size) * page_stride + (row % page_size) * row_stride; }
+  const uint8_t* logical(int64_t b, int64_t pos) const {
+    int64_t page = table[b * table_stride + pos / page_size];
+    return base + page * page_stride + (pos % page_size) * row_stride;
+  }
+
+  // Entry columns [c0, c1) of the stored row ``src`` as T (dequantised).
+  template <typename T>
+  void load(const uint8_t* src, T* dst, int64_t c0, int64_t c1) const {
+    switch (fmt) {
+      case FMT_BF16: convert_row(reinterpret_cast<const BFloat16*>(src) + c0, dst, c1 - c0); break;
+      case FMT_F16: convert_row(reinterpret_cast<const Half*>(src) + c0, dst, c1 - c0); break;
+      case FMT_F32: convert_row(reinterpret_cast<const float*>(src) + c0, dst, c1 - c0); break;
+      case FMT_E4M3:
+        if (e4m3_unscaled) fp8_to_exact(src + c0, dst, c1 - c0);
+        else dequant_fp8(src + c0, kv_scale, dst, c1 - c0);
+        break;
+      default: {  // fp8_ds_mla
+        const uint8_t* scales = src + L;
+        for (int64_t g0 = c0; g0 < std::min(c1, L); g0 = (g0 / DS_GROUP + 1) * DS_GROUP) {
+          int64_t g1 = std::min({c1, L, (g0 / DS_GROUP + 1) * DS_GROUP});
+          float s;
+          std::memcpy(&s, scales + 4 * (g0 / DS_GROUP), 4);
+          dequant_fp8(src + g0, s, dst + (g0 - c0), g1 - g0);
+        }
+        if (c1 > L) {
+          const BFloat16* rope = reinterpret_cast<const BFloat16*>(src + L + 4 * (L / DS_GROUP));
+          int64_t r0 = std::max(c0, L);
+          convert_row(rope + (r0 - L), dst + (r0 - c0), c1 - r0);
+        }
+      }
+    }
+  }
+};
+
+// Ask for memory ahead of use (into L2), one request per 64-byte line.
+inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
+// Operand packing ------------------------------------------------------------------------
+constexpr int64_t PACK_AHEAD = 16;  // rows the streaming pack prefetches ahead
+
+// B from K rows (rows[k], N values each; nullptr or k >= K: zeros), K_pad rows in all.
+// BFloat16: VNNI-2 [K_pad/2][N][2]; float: [K_pad][N]. ``tail_bytes``: also prefetch that many
+// bytes after each row's N values (the rest of a cache entry, read next by the score GEMM).
+template <typename T>
+void pack_b_rows(const T* const* rows, int64_t K, int64_t K_pad, int64_t N, T* dst, int64_t tail_bytes = 0) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t k = 0; k < K_pad; ++k) {
+      const float* r = k < K ? rows[k] : nullptr;
+      if (r) std::memcpy(dst + k * N, r, N * sizeof(float));
+      else zero_fill(dst + k * N, N * sizeof(float));
+    }
+  } else {
+    for (int64_t k = 0; k < K_pad; k += 2) {
+      const uint16_t* a = k < K ? reinterpret_cast<const uint16_t*>(rows[k]) : nullptr;
+      const uint16_t* b = k + 1 < K ? reinterpret_cast<const uint16_t*>(rows[k + 1]) : nullptr;
+      uint16_t* d = reinterpret_cast<uint16_t*>(dst) + k * N;
+      if (tail_bytes) {  // streaming from memory: ask for the rows PACK_AHEAD ahead, whole
+        for (int64_t r = k + PACK_AHEAD; r < std::min(K, k + PACK_AHEAD + 2); ++r)
+          if (rows[r]) prefetch_bytes(reinterpret_cast<const uint8_t*>(rows[r]), N * (int64_t)sizeof(T) + tail_bytes);
+        if (k < PACK_AHEAD) {
+          for (int64_t r = k; r < std::min(K, k + 2); ++r)
+            if (rows[r]) prefetch_bytes(reinterpret_cast<const uint8_t*>(rows[r] + N), tail_bytes);
+        }
+      }
+      if (!a && !b) {
+        zero_fill(d, 2 * N * sizeof(uint16_t));
+        continue;
+      }
+      int64_t n = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+      alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+      const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
+      for (; n + 32 <= N; n += 32) {
+        __m512i va = a ? _mm512_loadu_si512(a + n) : _mm512_setzero_si512();
+        __m512i vb = b ? _mm512_loadu_si512(b + n) : _mm512_setzero_si512();
+        _mm512_storeu_si512(d + 2 * n, _mm512_permutex2var_epi16(va, vlo, vb));
+        _mm512_storeu_si512(d + 2 * n + 32, _mm512_permutex2var_epi16(va, vhi, vb));
+      }
+#endif
+      for (; n < N; ++n) {
+        d[2 * n] = a ? a[n] : 0;
+        d[2 * n + 1] = b ? b[n] : 0;
+      }
+    }
+  }
+}
+
+// B = X^T from N source rows of K values (row n at src + n * ld_src): columns [n_off, n_off + N)
+// of a packed B with ldb columns. BFloat16: VNNI-2 (a 32-bit transpose; K and ld_src even);
+// float: a plain transpose.
+template <typename T>
+void pack_b_transposed(const T* src, int64_t ld_src, int64_t N, int64_t K, T* dst, int64_t ldb, int64_t n_off) {
+  if (N <= 0) return;
+  constexpr int64_t g = k_pair<T>();
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(src), ld_src / g, reinterpret_cast<float*>(dst) + n_off, ldb,
+                                static_cast<int>(N), static_cast<int>(K / g));
+}
+
+// Zero columns [n0, n1) of every row of a packed B with K rows and ldb columns.
+template <typename T>
+void zero_b_columns(T* dst, int64_t K, int64_t ldb, int64_t n0, int64_t n1) {
+  if (n1 <= n0) return;
+  constexpr int64_t g = k_pair<T>();
+  for (int64_t k = 0; k < K / g; ++k) zero_fill(dst + (k * ldb + n0) * g, (n1 - n0) * g * sizeof(T));
+}
+
+}  // namespace openmla

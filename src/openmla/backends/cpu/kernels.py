@@ -1,0 +1,251 @@
+"""Flat wrappers of the native CPU kernels: tensors and plain numbers in, tensors out.
+
+No ``CacheBatch`` here: a paged cache layer is described by :class:`PagedLayer`. Arguments
+are assumed validated (``openmla.validate``); these wrappers only put tensors in the layouts
+the kernels read (compute dtype, contiguity, int32 indices).
+
+Compute types: bfloat16 when the inputs are bfloat16 (or fp8 caches with a bfloat16 query)
+and the CPU runs bf16 brgemm, float32 otherwise (float16 and float32 inputs). float64 is not
+taken (:func:`compute_dtype` returns None; the adapter falls back to the torch backend).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ...masks import MaskKind, MaskVariant
+from . import build
+
+__all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
+           "prefill", "prefill_chunk"]
+
+MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
+              MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
+FORMAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, "fp8_e4m3": 3, "fp8_ds_mla": 4}
+
+_bf16_gemm: list[bool] = []
+
+
+def poison_scratch() -> None:
+    """Test hook: fill every thread's scratch memory with NaN bytes."""
+    build.ops().poison_scratch()
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (builds them on first call)."""
+    return build.load()
+
+
+def bf16_gemm() -> bool:
+    """Whether this CPU runs bf16 brgemm (oneDNN needs AVX-512; else bf16 inputs compute in float32)."""
+    if not _bf16_gemm:
+        _bf16_gemm.append(bool(build.ops().bf16_gemm_supported()))
+    return _bf16_gemm[0]
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype | None:
+    """The kernels' matmul dtype for inputs of ``dtypes`` (fp8 caches count as bfloat16)."""
+    dtype = dtypes[0]
+    for d in dtypes[1:]:
+        dtype = torch.promote_types(dtype, d)
+    if dtype == torch.bfloat16:
+        return torch.bfloat16 if bf16_gemm() else torch.float32
+    if dtype in (torch.float16, torch.float32):
+        return torch.float32
+    return None
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer of a paged latent cache and the batch's page table.
+
+    ``pages [num_pages, page_size, W]`` (rows contiguous; W = L+R values, or the fp8_ds_mla
+    record bytes), ``block_table`` int32 ``[B, max_pages]``, ``cache_lengths`` int32 ``[B]``,
+    ``offsets`` int32 ``[B+1]`` (query rows per sequence), ``fmt`` a ``FORMAT_CODES`` value,
+    ``kv_scale`` the fp8_e4m3 scale of this layer.
+    """
+
+    pages: torch.Tensor
+    block_table: torch.Tensor
+    cache_lengths: torch.Tensor
+    offsets: torch.Tensor
+    fmt: int
+    kv_scale: float = 1.0
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Every output the kernels fill completely comes from here (tests swap in a NaN fill)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+_scratch = threading.local()
+SCRATCH_CAP_BYTES = 256 << 20  # larger buffers are not kept between calls
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread buffer reused across calls (contents undefined): fresh multi-MB tensors cost a
+    page fault per 4 KiB on every call. A result must not outlive the call that asked for it."""
+    numel = math.prod(shape)
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    name = (name, torch.is_inference_mode_enabled())  # inference tensors cannot be written outside it
+    buf = bufs.get((name, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = _alloc((numel,), dtype)
+        if numel * buf.element_size() <= SCRATCH_CAP_BYTES:
+            bufs[(name, dtype)] = buf
+    return buf[:numel].view(shape)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _mask_args(mask: MaskVariant) -> tuple[int, int, int]:
+    return MASK_CODES[mask.kind], int(mask.window_size or 0), int(mask.chunk_size or 0)
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def decode(
+    q: torch.Tensor, cache: PagedLayer, *, kv_lora_rank: int, scale: float, mask: MaskVariant,
+    sparse_indices: torch.Tensor | None = None, topk_lengths: torch.Tensor | None = None, physical: bool = True,
+    attn_sink: torch.Tensor | None = None, num_partitions: int | None = None, dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention: ``q [T, H, L+R]`` -> ``out [T, H, L]`` (``dtype``, the compute type)
+    and float32 ``lse [T, H]`` (natural log, sink excluded; -inf and zeros for rows without a
+    visible key). ``attn_sink`` float32 ``[H]`` or ``[B, H]``; ``num_partitions`` None picks."""
+    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
+    idx = None if sparse_indices is None else _int32(sparse_indices)
+    topk = None if topk_lengths is None else _int32(topk_lengths)
+    T, H, _ = q.shape
+    out, lse = _alloc((T, H, kv_lora_rank), dtype), _alloc((T, H), torch.float32)
+    build.ops().decode(
+        q.to(dtype).contiguous(), cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
+        cache.fmt, float(cache.kv_scale), kv_lora_rank, float(scale), *_mask_args(mask), idx, topk, bool(physical), sink,
+        int(num_partitions or 0), out, lse,
+    )
+    return out, lse
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamma: torch.Tensor, cache: PagedLayer, *,
+                epsilon: float, interleaved: bool) -> torch.Tensor:
+    """One pass over the new tokens: RMSNorm(kv[:, :L]) * gamma and RoPE(kv[:, L:]) stored at each
+    token's row of ``cache`` (quantised for fp8 formats); returns q ``[T, H, Dn+R]`` (q's dtype,
+    bf16/fp16/fp32) with its rope part rotated. Token i of sequence b sits at
+    ``cache_lengths[b] + i``."""
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    freqs = freqs_cis if freqs_cis.stride(-1) == 1 else freqs_cis.contiguous()
+    q = q.contiguous()
+    q_rot = _alloc(tuple(q.shape), q.dtype)
+    build.ops().write_cache(
+        q, kv, freqs, gamma.to(torch.float32).contiguous(), cache.pages, _int32(cache.block_table),
+        _int32(cache.cache_lengths), _int32(cache.offsets), cache.fmt, float(cache.kv_scale), gamma.shape[0], float(epsilon),
+        bool(interleaved), q_rot,
+    )
+    return q_rot
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def gather(cache: PagedLayer, spans: list[tuple[int, int, int]], *, kv_lora_rank: int, rope_dim: int,
+           cols: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Entry columns ``cols`` of the cache rows of ``spans`` (sequence, first position, count),
+    end to end: ``[sum(count), cols[1]-cols[0]]`` in ``dtype``, dequantised (a reused buffer: valid
+    until the next call)."""
+    idx = torch.tensor(spans, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+    out = _buffer("gather", (int(idx[2].sum()), cols[1] - cols[0]), dtype)
+    build.ops().gather(cache.pages, _int32(cache.block_table), idx[0], idx[1], idx[2], cache.fmt, float(cache.kv_scale),
+                       kv_lora_rank, rope_dim, cols[0], cols[1], out)
+    return out
+
+
+@dataclass
+class PrefillState:
+    """Running attention state of every query row across the chunks of one prefill (float32)."""
+
+    o: torch.Tensor  # [T*H, Dv]
+    ref: torch.Tensor  # [T*H]
+    sum: torch.Tensor  # [T*H]
+
+    @classmethod
+    def empty(cls, rows: int, v_depth: int) -> "PrefillState":
+        """Undefined contents: the first chunk writes every row."""
+        f32 = torch.float32
+        return cls(_alloc((rows, v_depth), f32), _alloc((rows,), f32), _alloc((rows,), f32))
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def prefill_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, *, offsets: torch.Tensor,
+    cache_lengths: torch.Tensor, spans: torch.Tensor, scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None,
+    state: PrefillState | None = None, first: bool = True, last: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [T, H, Dn+R]`` over one chunk of up-projected keys: ``k [S, H*Dn]``,
+    ``v [S, H*Dv]``, rope keys ``rope [S, R]`` (all the compute dtype, rows contiguous).
+    ``spans`` int64 ``[3, B]``: sequence b's keys are buffer rows ``spans[0,b] ..
+    + spans[2,b]`` at positions ``spans[1,b] ..``. Queries of sequence b sit at
+    ``cache_lengths[b] + i``. Several chunks share ``state`` (``first``/``last``); the last
+    returns ``out [T, H, Dv]`` (compute dtype) and float32 ``lse [T, H]``."""
+    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
+    st = (None, None, None) if state is None else (state.o, state.ref, state.sum)
+    T, H, _ = q.shape
+    rows = T if last else 0
+    out, lse = _alloc((rows, H, v.shape[1] // H), q.dtype), _alloc((rows, H), torch.float32)
+    build.ops().prefill_chunk(
+        q, k, v, rope, _int32(offsets), _int32(cache_lengths), spans[0].contiguous(), spans[1].contiguous(),
+        spans[2].contiguous(), float(scale), *_mask_args(mask), *st, bool(first), bool(last), sink, out, lse,
+    )
+    return out, lse
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def prefill(
+    q: torch.Tensor, cache: PagedLayer, w_k: torch.Tensor, w_uv: torch.Tensor, *, chunks: list[tuple[list[int], list[int]]],
+    offsets: list[int], cache_lens: list[int], scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill form over the paged cache: ``q [T, H, Dn+R]`` (roped), ``w_k [H*Dn, L]``,
+    ``w_uv [H, Dv, L]``. ``chunks``: per chunk of keys, ``(buffer_row_offsets [B+1],
+    cache_offsets [B])`` as from ``ops.mla_prefill_plan``; ``offsets``/``cache_lens`` the
+    batch's host lists. Per chunk, only the keys some query of a sequence can see are
+    gathered (dequantised) and up-projected (two matmuls), then attended natively.
+    Returns ``out [T, H, Dv]`` (``dtype``) and float32 ``lse [T, H]``."""
+    T, H, Dq = q.shape
+    Dv, L = w_uv.shape[1], w_uv.shape[2]
+    R = Dq - w_k.shape[0] // H
+    B = len(cache_lens)
+    q = q.to(dtype).contiguous()
+    w_k, w_v = w_k.to(dtype), w_uv.reshape(H * Dv, L).to(dtype)
+    offs_t, lens_t = torch.tensor(offsets, dtype=torch.int32), torch.tensor(cache_lens, dtype=torch.int32)
+    work = []  # per chunk: (b, first position, count) of the keys its queries can see
+    for bro, co in chunks:
+        spans = []
+        for b in range(B):
+            n_q, n_k = offsets[b + 1] - offsets[b], bro[b + 1] - bro[b]
+            if n_q and n_k:
+                c = cache_lens[b]
+                lo, hi = mask.key_range(c, c + n_q - 1, c + n_q)
+                lo, hi = max(lo, co[b]), min(hi, co[b] + n_k)
+                if lo < hi:
+                    spans.append((b, lo, hi - lo))
+        if spans:
+            work.append(spans)
+    state = PrefillState.empty(T * H, Dv) if len(work) > 1 else None
+    out = lse = None
+    for i, spans in enumerate(work or [[]]):
+        table = torch.zeros(3, B, dtype=torch.int64)
+        row = 0
+        for b, lo, n in spans:
+            table[:, b] = torch.tensor([row, lo, n])
+            row += n
+        entries = gather(cache, spans, kv_lora_rank=L, rope_dim=R, cols=(0, L + R), dtype=dtype)
+        latent = entries[:, :L]
+        S = latent.shape[0]
+        k = torch.mm(latent, w_k.t(), out=_buffer("k", (S, w_k.shape[0]), dtype))
+        v = torch.mm(latent, w_v.t(), out=_buffer("v", (S, w_v.shape[0]), dtype))
+        out, lse = prefill_chunk(q, k, v, entries[:, L:], offsets=offs_t, cache_lengths=lens_t, spans=table, scale=scale,
+                                 mask=mask, attn_sink=attn_sink, state=state, first=i == 0, last=i == max(len(work), 1) - 1)
+    return out, lse

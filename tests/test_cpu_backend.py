@@ -1,0 +1,209 @@
+"""What only the native ``cpu`` backend has: its dispatch and fallback, in-place page reads next
+to garbage rows, its block and page geometry, split-KV across threads, the float32 path of
+CPUs without bf16 brgemm, and oneDNN's non-AMX kernels. The shared scenarios (every mask,
+sparse, sinks, fp8, page sizes, head counts, dtypes) run in test_torch_decode.py,
+test_torch_prefill.py and test_torch_fp8.py on both CPU backends.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import openmla
+from openmla import reference as ref
+from openmla.backends import load_backend, resolve_backend_name
+
+from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
+from cpu_backends import use_backend
+
+DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def native(monkeypatch):
+    """NaN-filled outputs and scratch (skips where the kernels do not build)."""
+    use_backend("cpu", monkeypatch)
+
+
+def random_q_abs(case: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
+    cfg = case.config
+    g = torch.Generator().manual_seed(case.seed + 1)
+    q = torch.randn(case.q.shape[0], cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g) * 0.5
+    return q.to(dtype or case.q.dtype)
+
+
+def poison_unused_rows(case: Case) -> None:
+    """NaN in every cache row that holds no token of the batch: free pages and page tails."""
+    b = case.batch
+    used = torch.zeros(b.num_pages * b.page_size, dtype=torch.bool)
+    for s, n in enumerate(b.seq_lens_list):
+        used[ref.physical_rows(b, s, torch.arange(n))] = True
+    b.blocks.view(b.num_layers, -1, b.blocks.shape[-1])[:, ~used] = math.nan
+
+
+def check_decode(case: Case, q_abs: torch.Tensor, **kw):
+    L = case.config.kv_lora_rank
+    args = (q_abs, case.batch, case.layer_idx)
+    out, lse = openmla.flare_mla_decode(*args, scale=case.scale, kv_lora_rank=L, return_lse=True, backend="cpu", **kw)
+    want, want_lse = openmla.flare_mla_decode(*args, scale=case.scale, kv_lora_rank=L, return_lse=True, backend="reference", **kw)
+    tol = TOL[q_abs.dtype]
+    assert_close(out, want, tol, "out", case.seed)
+    assert_lse(lse, want_lse, tol, case.seed)
+    return out, lse
+
+
+def check_prefill(case: Case, **kw):
+    args = (case.q, case.batch, case.layer_idx, case.w_k, case.w_uv)
+    out, lse = openmla.mla_prefill(*args, scale=case.scale, return_lse=True, backend="cpu", **kw)
+    ref_kw = {k: v for k, v in kw.items() if k != "buffer_size"}
+    want, want_lse = openmla.mla_prefill(*args, scale=case.scale, return_lse=True, backend="reference", **ref_kw)
+    tol = TOL[case.q.dtype]
+    assert_close(out, want, tol, "out", case.seed)
+    assert_lse(lse, want_lse, max(tol, 1e-6), case.seed)
+    return out, lse
+
+
+def written(case: Case) -> Case:
+    """The case with this call's tokens already in the cache (as after the fused op's write)."""
+    ref.write_cache(case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx, 1e-6)
+    return case
+
+
+# Dispatch and fallback --------------------------------------------------------------------
+def test_cpu_is_the_default_on_cpu_and_env_forces_torch(monkeypatch):
+    monkeypatch.delenv("OPENMLA_BACKEND", raising=False)
+    assert resolve_backend_name(None, CPU) == "cpu"
+    monkeypatch.setenv("OPENMLA_BACKEND", "torch")
+    assert resolve_backend_name(None, CPU) == "torch"
+    assert resolve_backend_name("cpu", CPU) == "cpu"  # an explicit argument still wins
+
+
+def test_failed_build_falls_back_to_torch(monkeypatch):
+    from openmla.backends.cpu import build
+
+    monkeypatch.delenv("OPENMLA_BACKEND", raising=False)
+    monkeypatch.setattr(build, "_state", {"loaded": False, "error": "no compiler"})
+    assert resolve_backend_name(None, CPU) == "torch"
+    assert build.unavailable_reason() == "no compiler"
+    with pytest.raises(ValueError, match="backend: the cpu backend is unavailable"):
+        load_backend("cpu")
+
+
+def test_float64_runs_the_torch_backend():
+    case = make_case([20, 3], [2, 1], dtype=torch.float64)
+    check_decode(case, random_q_abs(case))
+
+
+# In-place page reads next to garbage -------------------------------------------------------------
+@pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_reads_pages_in_place_past_nan_rows(mask, extra, page_size):
+    """bf16 pages are read whole by the score GEMM: rows past a sequence's end and free pages
+    hold NaN and must not reach any output."""
+    case = make_case([0, 1, 17, 70, 130], [1, 6, 3, 0, 4], config=small_config(num_heads=3), page_size=page_size,
+                     dtype=torch.bfloat16, spare_pages=4)
+    poison_unused_rows(case)
+    check_decode(case, random_q_abs(case), mask=mask, **extra)
+
+
+def test_prefill_with_nan_free_rows_chunked():
+    case = written(make_case([0, 20, 5], [17, 9, 30], config=small_config(num_heads=2), page_size=16, dtype=torch.bfloat16))
+    poison_unused_rows(case)
+    one, _ = check_prefill(case)
+    many, _ = check_prefill(case, buffer_size=17, attn_sink=torch.tensor([0.5, -1.0]))
+    assert torch.isfinite(one).all() and torch.isfinite(many).all()
+
+
+# Geometry: pages, heads, key blocks, partitions -------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 2, 8, 48, 128, 256])
+def test_decode_page_geometries(page_size):
+    """Gathered blocks (small pages), several pages per block (48: 96-key blocks), one page per
+    block, and slabs inside long pages; long contexts cross many blocks."""
+    case = make_case([0, 300, 611], [2, 1, 3], config=small_config(num_heads=4), page_size=page_size, dtype=torch.bfloat16)
+    poison_unused_rows(case)
+    q_abs = random_q_abs(case)
+    check_decode(case, q_abs)
+    check_decode(case, q_abs, mask="sliding_window_causal", window_size=150)
+
+
+@pytest.mark.parametrize("H,new", [(1, 6), (3, 5), (16, 6), (128, 3), (200, 2)])
+def test_decode_head_groups_and_tokens(H, new):
+    """Query rows (tokens x heads) are cut into groups of at most 128; more heads than that
+    split the heads of a token."""
+    case = make_case([5, 140], [new, 1], config=small_config(num_heads=H), page_size=16, dtype=torch.bfloat16)
+    check_decode(case, random_q_abs(case), mask="chunked_causal", chunk_size=64)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_kv_is_the_same_on_any_thread_count(threads):
+    """One long sequence: automatic split-KV parts merged by whichever thread ends last."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        case = make_case([5000], [1], config=small_config(num_heads=8), page_size=64, dtype=torch.bfloat16, seed=11)
+        q_abs = random_q_abs(case)
+        out, lse = check_decode(case, q_abs)
+        for parts in (1, 7):
+            out_p, lse_p = check_decode(case, q_abs, num_partitions=parts)
+            assert_close(out_p, out, 1e-2, f"{parts} partitions", case.seed)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_deepseek_dims_decode_and_prefill():
+    case = make_case([0, 200, 64], [2, 1, 5], config=small_config(num_heads=16, **DEEPSEEK), page_size=64,
+                     dtype=torch.bfloat16, cache_dtype="fp8_ds_mla")
+    check_decode(case, random_q_abs(case), num_partitions=3)
+    written(case)
+    check_prefill(case, mask="sliding_window_causal", window_size=100)
+
+
+# CPUs without bf16 brgemm -------------------------------------------------------------------------
+def test_bf16_computes_in_float32_without_bf16_brgemm(monkeypatch):
+    from openmla.backends.cpu import kernels
+
+    monkeypatch.setattr(kernels, "_bf16_gemm", [False])
+    assert kernels.compute_dtype(torch.bfloat16) == torch.float32
+    case = make_case([0, 37, 80], [3, 1, 12], config=small_config(num_heads=3), page_size=16, dtype=torch.bfloat16)
+    check_decode(case, random_q_abs(case), mask="sliding_window_noncausal", window_size=9)
+    written(case)
+    check_prefill(case, mask="causal", buffer_size=32)
+
+
+NON_AMX_SCRIPT = textwrap.dedent("""
+    import torch, openmla
+    from openmla.testing import make_case, small_config, rel_err
+    for new in ([9, 2], [1, 3]):  # the prefill form, then the decode form
+        case = make_case([0, 130], new, config=small_config(8, 512, 64, 128, 128), page_size=64, dtype=torch.bfloat16)
+        got = openmla.mla_prefill_decode_graph(*case.clone_cache().fused_args(), scale=case.scale, backend="cpu")
+        want = openmla.mla_prefill_decode_graph(*case.clone_cache().fused_args(), scale=case.scale, backend="reference")
+        print(rel_err(got, want))
+""")
+
+@pytest.mark.parametrize("isa", ["AVX512_CORE_BF16", "AVX2"])
+def test_non_amx_isa(isa):
+    """oneDNN limited to an older ISA (Zen 4 has AVX512_CORE_BF16; AVX2 has no bf16 brgemm at
+    all, so bf16 computes in float32): the fused op still matches the reference."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa)
+    res = subprocess.run([sys.executable, "-c", NON_AMX_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    errors = [float(x) for x in res.stdout.split()]
+    assert len(errors) == 2 and max(errors) < 2e-2, res.stdout
+
+
+# Commands ---------------------------------------------------------------------------------------
+def test_build_and_check_commands(capsys):
+    from openmla.cli import main
+
+    assert main(["build"]) == 0
+    assert main(["check", "--backend", "cpu", "--seed", "7"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "native CPU kernels ready" in out and "all checks passed" in out
