@@ -209,7 +209,7 @@ def prefill(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill form over the paged cache: ``q [T, H, Dn+R]`` (roped), ``w_k [H*Dn, L]``,
     ``w_uv [H, Dv, L]``. ``chunks``: per chunk of keys, ``(buffer_row_offsets [B+1],
-    cache_offsets [B])`` as from ``ops.mla_prefill_plan``; ``offsets``/``cache_lens`` the
+    cache_offsets [B])`` from the plan's chunk plan; ``offsets``/``cache_lens`` the
     batch's host lists. Per chunk, only the keys some query of a sequence can see are
     gathered (dequantised) and up-projected (two matmuls), then attended natively.
     Returns ``out [T, H, Dv]`` (``dtype``) and float32 ``lse [T, H]``."""
