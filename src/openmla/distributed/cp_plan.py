@@ -85,9 +85,8 @@ def _global_view(batch: ContextParallelBatch) -> CacheBatch:
         block_table=torch.zeros(batch.batch_size, width, dtype=torch.int32, device=device),
         cache_lengths=torch.tensor(batch.cache_lengths, dtype=torch.int32, device=device),
         input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
-        _host={},
+        _host={},  # its own host state (replace would share the local batch's)
     )
-    view._host.update(cache=list(batch.cache_lengths), offsets=offsets)
     return view
 
 
