@@ -59,7 +59,7 @@ def _plan_of(blocks: Tensor, block_table: Tensor, cache_lengths: Tensor, input_r
     """The live plan owning these metadata tensors, or a fresh plan made from them."""
     live = MLAPlan.find(input_row_offsets)
     if live is not None and live.batch.block_table is block_table and live.batch.cache_lengths is cache_lengths:
-        return live
+        return live if live.batch.blocks is blocks else live.with_blocks(blocks)  # a with_blocks view's storage
     batch = CacheBatch(blocks, block_table, cache_lengths, input_row_offsets, page_size, cache_format=cache_format,
                        kv_scale=kv_scale, rope_dim=rope_dim or None)
     return plan(batch, scale=1.0, backend=backend, num_partitions=num_partitions or None, buffer_size=buffer_size or None)

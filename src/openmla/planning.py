@@ -21,6 +21,7 @@ so a model compiles without graph breaks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from dataclasses import dataclass
@@ -283,6 +284,21 @@ class MLAPlan:
         self.max_position = max(mine.seq_lens_list, default=0)
         self._chunks.clear()
         return self
+
+    def with_blocks(self, blocks: torch.Tensor) -> "MLAPlan":
+        """This plan over other cache storage of the same shape, dtype and device, in O(1).
+
+        For an engine that keeps one cache tensor per layer (vLLM's ``[num_blocks, block_size,
+        L+R]``, viewed as ``[1, ...]``): plan the step once over one layer's storage, then run
+        every layer through ``plan.with_blocks(its_cache)`` with ``layer_idx`` 0. The view shares
+        everything else with this plan (validated metadata, positions, write rows, chunk plans);
+        nothing is copied or recomputed.
+        """
+        mine = self.batch.blocks
+        check_tensor("blocks", blocks, shape=tuple(mine.shape), dtypes=(mine.dtype,), device=mine.device)
+        view = copy.copy(self)  # not registered in _LIVE: the custom ops map back to this plan
+        view.batch = self.batch.with_blocks(blocks)
+        return view
 
     @staticmethod
     def find(input_row_offsets: torch.Tensor) -> "MLAPlan | None":

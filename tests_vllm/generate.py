@@ -1,0 +1,51 @@
+"""Greedy generation with vLLM's offline ``LLM`` in a fresh process (the plugin's registration
+is process-wide): ``python generate.py SPEC.json`` prints one JSON line ``RESULT {...}`` with
+the token ids of every round and the engine settings that were in force.
+
+SPEC: ``model`` (a checkpoint folder), ``rounds`` (lists of token-id prompts; each round is one
+``generate`` call, so a later round can hit the prefix cache filled by an earlier one),
+``max_tokens``, ``engine`` (extra ``LLM`` keywords), ``no_amx`` (hide AMX from vLLM, to take
+its CPU platform's non-AMX path on any machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+
+
+def main(path: str) -> None:
+    spec = json.loads(open(path).read())
+    if spec.get("no_amx"):
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: False
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = dict(dtype="bfloat16", enforce_eager=True, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
+                  enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0)
+    engine.update(spec.get("engine", {}))
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
+    t1 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    rounds = []
+    for prompts in spec["rounds"]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rounds.append([list(o.outputs[0].token_ids) for o in outs])
+    t2 = time.perf_counter()
+    cfg = llm.llm_engine.vllm_config
+    layer = next(iter(cfg.compilation_config.static_forward_context.values()))  # the first attention layer
+    impl = type(layer.impl)
+    print("RESULT " + json.dumps(dict(
+        tokens=rounds, block_size=cfg.cache_config.block_size, chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
+        prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
+        init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1))), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
