@@ -1,6 +1,7 @@
 """Greedy generation with vLLM's offline ``LLM`` in a fresh process (the plugin's registration
 is process-wide): ``python generate.py SPEC.json`` prints one JSON line ``RESULT {...}`` with
-the token ids of every round and the engine settings that were in force.
+the token ids of every round, the prompt tokens each request found in the prefix cache and the
+engine settings that were in force.
 
 SPEC: ``model`` (a checkpoint folder), ``rounds`` (lists of token-id prompts; each round is one
 ``generate`` call, so a later round can hit the prefix cache filled by an earlier one),
@@ -33,16 +34,17 @@ def main(path: str) -> None:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
-    rounds = []
+    rounds, cached = [], []
     for prompts in spec["rounds"]:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
+        cached.append([o.num_cached_tokens or 0 for o in outs])  # prompt tokens read from the prefix cache
     t2 = time.perf_counter()
     cfg = llm.llm_engine.vllm_config
     layer = next(iter(cfg.compilation_config.static_forward_context.values()))  # the first attention layer
     impl = type(layer.impl)
     print("RESULT " + json.dumps(dict(
-        tokens=rounds, block_size=cfg.cache_config.block_size, chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
+        tokens=rounds, cached_tokens=cached, block_size=cfg.cache_config.block_size, chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1))), flush=True)
 

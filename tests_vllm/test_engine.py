@@ -1,0 +1,50 @@
+"""vLLM's offline ``LLM`` with openmla's backend against vLLM's own CPU MLA backend.
+
+Random-weight DeepSeek-V2 (16 heads, no q LoRA) and V3-shaped (128 heads, q LoRA) checkpoints,
+2 layers, the real MLA dims. Greedy decoding from token-id prompts of mixed lengths, with
+chunked prefill (128-token budget, so the 300-token prompt is prefilled in 3 chunks next to
+running decodes) and prefix caching (the second round repeats long prefixes of the first) on:
+the tokens must equal vLLM's own backend's. ``no_amx`` hides AMX from vLLM, which then runs
+its reference ``CPU_MLA`` backend (16-token pages, chunked prefill and prefix caching off)
+while openmla keeps both on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import generate
+from models import VOCAB
+
+OURS = "openmla.integrations.vllm.impl.OpenMLAImpl"
+
+
+def rounds(seed: int = 0) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731  (0, 1: bos, eos)
+    first = [tokens(n) for n in (1, 2, 7, 40, 130, 300)]
+    second = [first[5][:260] + tokens(9), first[4] + tokens(3), tokens(5), first[3][:17]]
+    return [first, second]
+
+
+@pytest.mark.parametrize("model", ["v2", "v3"])
+def test_greedy_tokens_equal_vllm_backend(model, checkpoints, tmp_path):
+    spec = dict(model=checkpoints[model], rounds=rounds(), max_tokens=8)
+    want = generate(spec, tmp_path, openmla=False)
+    got = generate(spec, tmp_path, openmla=True)
+    assert got["impl"] == OURS and want["impl"] != OURS
+    assert got["chunked_prefill"] and got["prefix_caching"]
+    assert got["cached_tokens"][1][0] >= 256 and got["cached_tokens"][1][1] >= 128  # the prefix cache was read
+    assert got["tokens"] == want["tokens"]
+
+
+def test_without_amx_openmla_keeps_chunked_prefill_and_prefix_caching(checkpoints, tmp_path):
+    spec = dict(model=checkpoints["v2"], rounds=rounds(1), max_tokens=8, no_amx=True)
+    want = generate(spec, tmp_path, openmla=False)
+    got = generate(spec, tmp_path, openmla=True)
+    assert want["impl"].endswith("CPUMLAImpl") and not want["chunked_prefill"]
+    assert got["impl"] == OURS and got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 128
+    assert got["cached_tokens"][1][0] >= 256
+    assert got["tokens"] == want["tokens"]
