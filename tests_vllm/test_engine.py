@@ -19,6 +19,7 @@ from conftest import generate
 from models import VOCAB
 
 OURS = "openmla.integrations.vllm.impl.OpenMLAImpl"
+TOL_BF16 = 2e-2
 
 
 def rounds(seed: int = 0) -> list[list[list[int]]]:
@@ -48,3 +49,17 @@ def test_without_amx_openmla_keeps_chunked_prefill_and_prefix_caching(checkpoint
     assert got["impl"] == OURS and got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 128
     assert got["cached_tokens"][1][0] >= 256
     assert got["tokens"] == want["tokens"]
+
+
+def test_triton_backend_in_the_engine(checkpoints, tmp_path):
+    """openmla's Triton kernels (through TRITON_INTERPRET on the CPU) serving vLLM: every decode
+    and prefill call, chunked and after a cached prefix, within the bf16 tolerance of the torch
+    backend on the same plan and cache. Tokens are not compared: a random-weight model has
+    near-ties that bf16 rounding differences may flip."""
+    rng = random.Random(2)
+    tokens = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    first = [tokens(1), tokens(7), tokens(140)]
+    spec = dict(model=checkpoints["v2"], rounds=[first, [first[2][:130] + tokens(4)]], max_tokens=3, compare_with="torch")
+    got = generate(spec, tmp_path, openmla=True, env={"OPENMLA_BACKEND": "triton", "TRITON_INTERPRET": "1"})
+    assert got["impl"] == OURS and got["cached_tokens"][1][0] >= 128
+    assert got["calls_compared"] >= 8 and got["max_rel_err"] < TOL_BF16
