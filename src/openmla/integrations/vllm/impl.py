@@ -24,9 +24,6 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
     can_return_lse_for_decode = True  # openmla's decode gives the natural-log LSE
     lse_base_on_e = True
 
-    def fused_output_quant_supported(self, quant_key) -> bool:
-        return False
-
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
@@ -40,6 +37,9 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
         self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
 
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False  # forward_mha writes the model dtype
+
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # forward_mha gets no layer, so the prefill weights come from kv_b_proj [H*(Dn+Dv), L].
         H, Dn, Dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
@@ -50,7 +50,8 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
         """Store ``[kv_c_normed | k_pe]`` (``[T, L]``, ``[T, 1, R]``) at the cache rows ``slot_mapping``
-        (block * block_size + offset; -1 marks a padding token, which is skipped)."""
+        (block * block_size + offset; -1 marks a padding token, which is skipped: on CUDA that test
+        reads one flag back per layer)."""
         if kv_cache.numel() == 0:
             return
         T = kv_c_normed.shape[0]
