@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-B, CONTEXT, NEW = 8, 4096, 16  # sequences, prompt tokens, decode steps timed
+B, CONTEXT, NEW = 8, 4096, 16  # sequences, prompt tokens, decode steps timed (--context, --new change the last two)
 
 
 # The child: one engine, one backend ------------------------------------------------------
@@ -46,6 +46,9 @@ def _timed(cls, name, sink):
 
 def child(heads: int, backend: str, workdir: Path) -> dict:
     import torch
+
+    global CONTEXT, NEW
+    CONTEXT, NEW = int(os.environ["BENCH_CONTEXT"]), int(os.environ["BENCH_NEW"])
 
     if backend == "CPU_MLA":
         torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's non-AMX path: its reference backend
@@ -154,6 +157,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--backends", nargs="+", default=["AMX_MLA", "CPU_MLA", "OPENMLA"])
     ap.add_argument("--child", nargs=3, metavar=("HEADS", "BACKEND", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, default=CONTEXT)
+    ap.add_argument("--new", type=int, default=NEW)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_vllm.json"))
     args = ap.parse_args()
     if args.child:
@@ -168,7 +173,7 @@ def main() -> None:
         for heads in args.heads:
             for backend in backends:
                 env = {k: v for k, v in os.environ.items() if k != "OPENMLA_VLLM"}
-                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new))
                 if backend == "OPENMLA":
                     env["OPENMLA_VLLM"] = "1"
                 proc = subprocess.run([sys.executable, __file__, "--child", str(heads), backend, tmp], env=env,
@@ -182,7 +187,7 @@ def main() -> None:
                       f"{r['attn_ms_per_layer']:.2f} | {r['kernel_ms_per_layer']:.2f} | {r['op_ms']:.2f} |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(uptime=os.getloadavg(), results=results), indent=1))
+    out.write_text(json.dumps(dict(load=os.getloadavg(), context=args.context, results=results), indent=1))
 
 
 if __name__ == "__main__":
