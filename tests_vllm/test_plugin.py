@@ -61,3 +61,13 @@ def test_unsupported_vllm(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match="this is vLLM 0.40.0"):
         plugin.register()
     assert not AttentionBackendEnum.CPU_MLA.is_overridden()
+
+
+def test_opt_in_leaves_other_platforms_alone(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setenv("OPENMLA_VLLM", "1")
+    plugin.register()  # on CUDA the backend is chosen by name, never by taking a slot
+    assert not AttentionBackendEnum.CPU_MLA.is_overridden() and not AttentionBackendEnum.AMX_MLA.is_overridden()
+    assert AttentionBackendEnum["OPENMLA"].get_path() == OURS

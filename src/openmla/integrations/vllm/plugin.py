@@ -40,9 +40,10 @@ def check_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register the ``OPENMLA`` backend name; with ``OPENMLA_VLLM=1`` also make it the CPU
-    platform's MLA backend. Safe to call more than once."""
+    """Register the ``OPENMLA`` backend name; with ``OPENMLA_VLLM=1`` on the CPU platform also make
+    it the MLA backend there. Safe to call more than once."""
     import vllm
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     try:
@@ -54,10 +55,14 @@ def register() -> None:
         return
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, BACKEND_PATH)
-    if opted_in():
-        from .cpu_platform import keep_cpu_scheduling
+    if not opted_in():
+        return
+    if not current_platform.is_cpu():
+        logger.info("openmla: %s=1 acts on the CPU platform only; select the backend with --attention-backend %s", OPT_IN, BACKEND_NAME)
+        return
+    from .cpu_platform import keep_cpu_scheduling
 
-        register_backend(AttentionBackendEnum.CPU_MLA, BACKEND_PATH)
-        register_backend(AttentionBackendEnum.AMX_MLA, BACKEND_PATH)
-        keep_cpu_scheduling()
-        logger.info("openmla: serving MLA layers on the CPU (%s=1)", OPT_IN)
+    register_backend(AttentionBackendEnum.CPU_MLA, BACKEND_PATH)
+    register_backend(AttentionBackendEnum.AMX_MLA, BACKEND_PATH)
+    keep_cpu_scheduling()
+    logger.info("openmla: serving MLA layers on the CPU (%s=1)", OPT_IN)
