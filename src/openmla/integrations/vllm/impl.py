@@ -1,0 +1,91 @@
+"""``OpenMLAImpl``: one MLA layer's attention in vLLM, through the step's openmla plans.
+
+vLLM's ``MLAAttention`` layer does the projections, the kv RMSNorm and RoPE, then calls:
+``do_kv_cache_update`` (store the new tokens' latents and roped key parts), ``forward_mha`` for
+the prefill tokens (roped q, up-projected form over the cached prefix and the new tokens) and
+``forward_mqa`` for the decode tokens (q already absorbed by vLLM, which also applies W_UV to
+the latent output). Each runs the plan the metadata builder made for the step over this
+layer's own cache tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+from vllm.v1.attention.backend import AttentionType
+
+from openmla import CacheBatch
+
+from .metadata import OpenMLAMetadata, layer_blocks
+
+
+class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
+    can_return_lse_for_decode = True  # openmla's decode gives the natural-log LSE
+    lse_base_on_e = True
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args)
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError("openmla's vLLM backend: alibi slopes, sliding windows and logit soft caps are not supported")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"openmla's vLLM backend serves decoder self-attention only, not {attn_type}")
+        self.supports_quant_query_input = False  # q stays in the model dtype (native cache only)
+        self.w_k: torch.Tensor | None = None  # [H*Dn, L], the prefill K up-projection
+        self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
+        self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False  # forward_mha writes the model dtype
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        # forward_mha gets no layer, so the prefill weights come from kv_b_proj [H*(Dn+Dv), L].
+        H, Dn, Dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        w = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype).view(H, Dn + Dv, self.kv_lora_rank)
+        self.w_k = w[:, :Dn].reshape(H * Dn, self.kv_lora_rank).contiguous()
+        self.w_uv = w[:, Dn:].contiguous()
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+        """Store ``[kv_c_normed | k_pe]`` (``[T, L]``, ``[T, 1, R]``) at the cache rows ``slot_mapping``
+        (block * block_size + offset; -1 marks a padding token, which is skipped: on CUDA that test
+        reads one flag back per layer)."""
+        if kv_cache.numel() == 0:
+            return
+        T = kv_c_normed.shape[0]
+        entries = torch.cat([kv_c_normed, k_pe.reshape(T, -1)], dim=-1)
+        rows = slot_mapping.flatten()[:T].long()
+        keep = rows >= 0
+        if not bool(keep.all()):
+            rows, entries = rows[keep], entries[keep]
+        self._view(kv_cache).write_rows(0, rows, entries)
+
+    def _view(self, kv_cache: torch.Tensor) -> CacheBatch:
+        """The layer's cache as a sequence-less ``CacheBatch``, for its format-aware ``write_rows``."""
+        view = self._write_view
+        if view is None or view.blocks.data_ptr() != kv_cache.data_ptr() or view.blocks.shape[1:] != kv_cache.shape:
+            empty = torch.zeros(0, dtype=torch.int32, device=kv_cache.device)
+            view = CacheBatch(layer_blocks(kv_cache), empty.view(0, 0), empty, torch.zeros(1, dtype=torch.int32, device=kv_cache.device),
+                              page_size=int(kv_cache.shape[1]))
+            self._write_view = view
+        return view
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: OpenMLAMetadata, layer):
+        """Decode tokens: absorbed ``q [T, H, L+R]`` (or its two parts) -> ``([T, H, L], lse [T, H])``."""
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        plan = attn_metadata.decode_plan.with_blocks(layer_blocks(kv_c_and_k_pe_cache))
+        return plan.decode(q, 0, kv_lora_rank=self.kv_lora_rank, return_lse=True)
+
+    def forward_mha(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor,
+                    attn_metadata: OpenMLAMetadata, k_scale: torch.Tensor, output: torch.Tensor,
+                    output_scale: torch.Tensor | None = None) -> None:
+        """Prefill tokens: roped ``q [T, H, Dn+R]`` over each request's cached prefix and its new
+        tokens (already in the cache) -> ``output [T, H*Dv]``."""
+        if output_scale is not None:
+            raise NotImplementedError("openmla's vLLM backend: fused output quantization is not supported")
+        plan = attn_metadata.prefill_plan.with_blocks(layer_blocks(kv_c_and_k_pe_cache))
+        out = plan.prefill(q, 0, self.w_k, self.w_uv)
+        output.view(out.shape).copy_(out)

@@ -1,0 +1,39 @@
+"""Fixtures of the vLLM tests: the random-weight checkpoints (made once per session) and a
+runner of ``generate.py`` in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models import deepseek_v2, deepseek_v3, save_model
+
+HERE = Path(__file__).parent
+TIMEOUT_S = 900  # one engine start and a few hundred tokens; minutes only on a loaded 2-core box
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {"v2": save_model(deepseek_v2(), root / "v2"), "v3": save_model(deepseek_v3(), root / "v3")}
+
+
+def generate(spec: dict, tmp_path: Path, *, openmla: bool, env: dict | None = None) -> dict:
+    """Run ``generate.py`` on ``spec`` with the plugin opted in (``openmla=True``) or not."""
+    path = tmp_path / f"spec-{openmla}-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps({**spec, "model": str(spec["model"])}))
+    full = {k: v for k, v in os.environ.items() if k not in ("OPENMLA_VLLM", "OPENMLA_BACKEND")}
+    full.update(env or {})
+    if openmla:
+        full["OPENMLA_VLLM"] = "1"
+    proc = subprocess.run([sys.executable, str(HERE / "generate.py"), str(path)], capture_output=True, text=True,
+                          env=full, timeout=TIMEOUT_S, cwd=tmp_path)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise AssertionError(f"generate.py failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

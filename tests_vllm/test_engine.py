@@ -1,0 +1,79 @@
+"""vLLM's offline ``LLM`` with openmla's backend against vLLM's own CPU MLA backend.
+
+Random-weight DeepSeek-V2 (16 heads, no q LoRA) and V3-shaped (128 heads, q LoRA) checkpoints,
+2 layers, the real MLA dims. Greedy decoding from token-id prompts of mixed lengths, with
+chunked prefill (128-token budget, so the 300-token prompt is prefilled in 3 chunks next to
+running decodes) and prefix caching (the second round repeats long prefixes of the first) on:
+the tokens must equal vLLM's own backend's. ``no_amx`` hides AMX from vLLM, which then runs
+its reference ``CPU_MLA`` backend (16-token pages, chunked prefill and prefix caching off)
+while openmla keeps both on; there openmla's calls are checked against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import generate
+from models import VOCAB
+
+OURS = "openmla.integrations.vllm.impl.OpenMLAImpl"
+TOL_BF16 = 2e-2
+
+
+def rounds(seed: int = 0) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731  (0, 1: bos, eos)
+    first = [tokens(n) for n in (1, 2, 7, 40, 130, 300)]
+    second = [first[5][:260] + tokens(9), first[4] + tokens(3), tokens(5), first[3][:17]]
+    return [first, second]
+
+
+@pytest.mark.parametrize("model", ["v2", "v3"])
+def test_greedy_tokens_equal_vllm_backend(model, checkpoints, tmp_path):
+    spec = dict(model=checkpoints[model], rounds=rounds(), max_tokens=8)
+    want = generate(spec, tmp_path, openmla=False)
+    # The same schedule as vLLM's backend had: batch composition changes GEMM rounding, and a
+    # random-weight model has near-ties that rounding can flip. With AMX that is chunked prefill,
+    # prefix caching and 128-token pages; without, vLLM's CPU_MLA forces them off and 16.
+    same = dict(block_size=want["block_size"], enable_chunked_prefill=want["chunked_prefill"],
+                enable_prefix_caching=want["prefix_caching"])
+    if not want["chunked_prefill"]:
+        same["max_num_batched_tokens"] = 1024
+    got = generate({**spec, "engine": same}, tmp_path, openmla=True)
+    assert got["impl"] == OURS and want["impl"] != OURS
+    if torch.cpu._is_amx_tile_supported():  # vLLM's AMX_MLA: chunked prefill and prefix caching on
+        assert got["chunked_prefill"] and got["prefix_caching"]
+        assert got["cached_tokens"][1][0] >= 256 and got["cached_tokens"][1][1] >= 128  # the prefix cache was read
+    assert got["tokens"] == want["tokens"]
+
+
+def test_without_amx_openmla_keeps_chunked_prefill_and_prefix_caching(checkpoints, tmp_path):
+    """vLLM's CPU platform without AMX: openmla keeps chunked prefill, prefix caching and 128-token
+    pages, and every attention call it makes there (prefill chunks after a cached prefix, mixed
+    with decodes) matches the float64 reference on the same plan and cache."""
+    rng = random.Random(3)
+    tokens = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    first = [tokens(1), tokens(7), tokens(40), tokens(150)]
+    spec = dict(model=checkpoints["v2"], rounds=[first, [first[3][:140] + tokens(5), tokens(3)]], max_tokens=4,
+                no_amx=True, compare_with="reference")
+    got = generate(spec, tmp_path, openmla=True)
+    assert got["impl"] == OURS and got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 128
+    assert got["cached_tokens"][1][0] >= 128
+    assert got["calls_compared"] >= 10 and got["max_rel_err"] < TOL_BF16
+
+
+def test_triton_backend_in_the_engine(checkpoints, tmp_path):
+    """openmla's Triton kernels (through TRITON_INTERPRET on the CPU) serving vLLM: every decode
+    and prefill call, chunked and after a cached prefix, within the bf16 tolerance of the torch
+    backend on the same plan and cache. Tokens are not compared: a random-weight model has
+    near-ties that bf16 rounding differences may flip."""
+    rng = random.Random(2)
+    tokens = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    first = [tokens(1), tokens(7), tokens(140)]
+    spec = dict(model=checkpoints["v2"], rounds=[first, [first[2][:130] + tokens(4)]], max_tokens=3, compare_with="torch")
+    got = generate(spec, tmp_path, openmla=True, env={"OPENMLA_BACKEND": "triton", "TRITON_INTERPRET": "1"})
+    assert got["impl"] == OURS and got["cached_tokens"][1][0] >= 128
+    assert got["calls_compared"] >= 8 and got["max_rel_err"] < TOL_BF16

@@ -1,0 +1,73 @@
+"""The plugin's entry point: version range, opt-in, what it registers."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+import vllm
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from openmla.integrations.vllm import plugin
+
+OURS = "openmla.integrations.vllm.backend.OpenMLABackend"
+
+
+@pytest.fixture(autouse=True)
+def clean_slots(monkeypatch):
+    monkeypatch.delenv("OPENMLA_VLLM", raising=False)
+    yield
+    AttentionBackendEnum.CPU_MLA.clear_override()
+    AttentionBackendEnum.AMX_MLA.clear_override()
+
+
+def test_entry_point_is_installed():
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "openmla"]
+    assert ep.load() is plugin.register
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.5+cpu", "0.32.1rc2"])
+def test_supported_versions(version):
+    plugin.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "dev"])
+def test_other_versions_raise_a_clear_error(version):
+    with pytest.raises(RuntimeError, match=rf"supports vLLM >=0\.32,<0\.33, this is vLLM {version}"):
+        plugin.check_version(version)
+
+
+def test_without_opt_in_only_the_name_is_registered():
+    plugin.register()
+    plugin.register()  # vLLM may load plugins more than once
+    assert AttentionBackendEnum["OPENMLA"].get_path() == OURS
+    assert not AttentionBackendEnum.CPU_MLA.is_overridden() and not AttentionBackendEnum.AMX_MLA.is_overridden()
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("yes", True), ("0", False), ("false", False), ("", False)])
+def test_opt_in_takes_the_cpu_mla_slots(monkeypatch, value, on):
+    monkeypatch.setenv("OPENMLA_VLLM", value)
+    plugin.register()
+    for slot in (AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.AMX_MLA):
+        assert (slot.get_path() == OURS) is on
+
+
+def test_unsupported_vllm(monkeypatch, caplog):
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    plugin.register()  # not opted in: a warning, nothing taken
+    assert not AttentionBackendEnum.CPU_MLA.is_overridden()
+    assert "not supported" in caplog.text
+    monkeypatch.setenv("OPENMLA_VLLM", "1")
+    with pytest.raises(RuntimeError, match="this is vLLM 0.40.0"):
+        plugin.register()
+    assert not AttentionBackendEnum.CPU_MLA.is_overridden()
+
+
+def test_opt_in_leaves_other_platforms_alone(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setenv("OPENMLA_VLLM", "1")
+    plugin.register()  # on CUDA the backend is chosen by name, never by taking a slot
+    assert not AttentionBackendEnum.CPU_MLA.is_overridden() and not AttentionBackendEnum.AMX_MLA.is_overridden()
+    assert AttentionBackendEnum["OPENMLA"].get_path() == OURS
