@@ -3,6 +3,9 @@ is process-wide): ``python generate.py SPEC.json`` prints one JSON line ``RESULT
 the token ids of every round, the prompt tokens each request found in the prefix cache and the
 engine settings that were in force.
 
+RESULT also holds ``margins``: per generated token, the log-probability gap between the greedy
+token and the runner-up (vLLM's top-2 logprobs).
+
 SPEC: ``model`` (a checkpoint folder), ``rounds`` (lists of token-id prompts; each round is one
 ``generate`` call, so a later round can hit the prefix cache filled by an earlier one),
 ``max_tokens``, ``engine`` (extra ``LLM`` keywords), ``no_amx`` (hide AMX from vLLM, to take
@@ -53,6 +56,13 @@ def compare_with(backend: str) -> None:
     OpenMLAImpl.forward_mqa, OpenMLAImpl.forward_mha = forward_mqa, forward_mha
 
 
+def _margin(step: dict) -> float:
+    """Log-probability gap between the greedy token and the runner-up at one step (a near-tie
+    is a step whose token any rounding difference may flip)."""
+    top = sorted((lp.logprob for lp in step.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
 def main(path: str) -> None:
     spec = json.loads(open(path).read())
     if spec.get("no_amx"):
@@ -67,18 +77,20 @@ def main(path: str) -> None:
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
     t1 = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
-    rounds, cached = [], []
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=2)
+    rounds, cached, margins = [], [], []
     for prompts in spec["rounds"]:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
         cached.append([o.num_cached_tokens or 0 for o in outs])  # prompt tokens read from the prefix cache
+        margins.append([[_margin(step) for step in (o.outputs[0].logprobs or [])] for o in outs])
     t2 = time.perf_counter()
     cfg = llm.llm_engine.vllm_config
     layer = next(iter(cfg.compilation_config.static_forward_context.values()))  # the first attention layer
     impl = type(layer.impl)
     print("RESULT " + json.dumps(dict(
-        tokens=rounds, cached_tokens=cached, block_size=cfg.cache_config.block_size, chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
+        tokens=rounds, margins=margins, cached_tokens=cached, block_size=cfg.cache_config.block_size,
+        chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
         max_rel_err=max(ERRORS, default=None))), flush=True)

@@ -4,7 +4,8 @@ Random-weight DeepSeek-V2 (16 heads, no q LoRA) and V3-shaped (128 heads, q LoRA
 2 layers, the real MLA dims. Greedy decoding from token-id prompts of mixed lengths, with
 chunked prefill (128-token budget, so the 300-token prompt is prefilled in 3 chunks next to
 running decodes) and prefix caching (the second round repeats long prefixes of the first) on:
-the tokens must equal vLLM's own backend's. ``no_amx`` hides AMX from vLLM, which then runs
+the tokens must equal vLLM's own backend's, except that a sequence may part from it at a
+near-tie (a top-2 logit gap within bf16 rounding). ``no_amx`` hides AMX from vLLM, which then runs
 its reference ``CPU_MLA`` backend (16-token pages, chunked prefill and prefix caching off)
 while openmla keeps both on; there openmla's calls are checked against the float64 reference.
 """
@@ -42,12 +43,33 @@ def test_greedy_tokens_equal_vllm_backend(model, checkpoints, tmp_path):
                 enable_prefix_caching=want["prefix_caching"])
     if not want["chunked_prefill"]:
         same["max_num_batched_tokens"] = 1024
-    got = generate({**spec, "engine": same}, tmp_path, openmla=True)
+    got = generate({**spec, "engine": same, "compare_with": "reference"}, tmp_path, openmla=True)
     assert got["impl"] == OURS and want["impl"] != OURS
+    assert got["calls_compared"] >= 20 and got["max_rel_err"] < TOL_BF16  # every call against float64
     if torch.cpu._is_amx_tile_supported():  # vLLM's AMX_MLA: chunked prefill and prefix caching on
         assert got["chunked_prefill"] and got["prefix_caching"]
         assert got["cached_tokens"][1][0] >= 256 and got["cached_tokens"][1][1] >= 128  # the prefix cache was read
-    assert got["tokens"] == want["tokens"]
+    assert_tokens_equal(got, want)
+
+
+# A greedy step whose top-2 log-probability gap is below this is a near-tie: bf16 rounding
+# differences between two correct attention kernels may flip it (random weights make such ties
+# common; logits are bf16, spaced ~0.03 at the magnitudes seen), and after a flip the
+# continuations differ. So each sequence must match up to its first difference, and that
+# difference must sit on a near-tie of either run; a wrong kernel flips confident tokens.
+NEAR_TIE = 0.1
+
+
+def assert_tokens_equal(got: dict, want: dict) -> None:
+    for r, (got_round, want_round) in enumerate(zip(got["tokens"], want["tokens"])):
+        for i, (g, w) in enumerate(zip(got_round, want_round)):
+            assert len(g) == len(w), f"round {r} prompt {i}: {len(g)} tokens, want {len(w)}"
+            k = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), None)
+            if k is None:
+                continue
+            gap = min(got["margins"][r][i][k], want["margins"][r][i][k])
+            assert gap < NEAR_TIE, (f"round {r} prompt {i}: token {k} differs at a top-2 gap of {gap:.3f} "
+                                    f"(not a near-tie): {g} != {w}")
 
 
 def test_without_amx_openmla_keeps_chunked_prefill_and_prefix_caching(checkpoints, tmp_path):
