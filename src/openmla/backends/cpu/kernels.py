@@ -144,12 +144,12 @@ def pack_heads(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
 def heads_gemm(x: torch.Tensor, packed: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """Per-head products: ``x [T, H, k+c]`` and ``packed`` = :func:`pack_heads` of ``w [H, m, k]``
     (one dtype, bf16 or float32) -> ``out [T, H, m+c]`` with ``out[t, h, :m] = w[h] @ x[t, h, :k]``
     (float32 accumulation) and x's last ``c`` columns copied: ``combine.absorb`` with c = R,
-    ``combine.unabsorb`` with c = 0."""
+    ``combine.unabsorb`` with c = 0. No ``torch.no_grad`` here (it costs microseconds per call, a
+    decode step makes two calls per layer): inputs must not require grad."""
     T, H, D = x.shape
     if x.stride(-1) != 1 or (T > 1 and x.stride(0) < k):  # rows are brgemm's A: unit stride, not overlapping
         x = x.contiguous()
