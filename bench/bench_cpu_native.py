@@ -1,12 +1,17 @@
 """The native ``cpu`` backend against every same-run alternative, as fractions of the roofline.
 
-Run: ``.venv/bin/python bench/bench_cpu_native.py [--threads 2] [--reps 7] [--quick] [--non-amx]``
+Run: ``.venv/bin/python bench/bench_cpu_native.py [--threads 2] [--reps 7] [--quick] [--non-amx] [--absorb]``
 
 Shapes (DeepSeek dims: L=512, R=64, Dn=128, Dv=128; bf16):
 - decode: B=8 sequences x 4096 cached tokens + 1 new, page 64, pages handed out in a shuffled
   order; H=16 and H=128; ``flare_mla_decode`` (absorbed q given);
 - prefill: H=16, 2 sequences x 2048 new tokens, causal, no prefix; ``mla_prefill`` (gather, K/V
-  up-projection and attention).
+  up-projection and attention);
+- absorption: ``absorb`` and ``unabsorb`` alone at H=16 and 128, T=8 and 64 tokens (``cpu`` the
+  native backend's, ``combine`` one ``torch.bmm``), and the fused op of a decode step
+  (``plan.run`` over the decode shapes: cache write, absorb, decode, unabsorb) with the native
+  absorption (``cpu``) and with combine's (``cpu+combine``); roofline bytes are the weights (and
+  the cache). ``--absorb`` runs only these.
 
 Implementations, all on the same inputs in the same run:
 - ``cpu``: openmla's native backend; ``torch``: openmla's pure-PyTorch backend;
@@ -26,12 +31,13 @@ fractions use medians (and best rounds, in brackets).
 Two timings per run: wall time with ``--threads`` threads, and single-thread CPU time
 (``time.thread_time`` with ``torch.set_num_threads(1)``), which holds when other processes share
 the machine. ``--non-amx`` reruns the script with oneDNN limited to AVX512_CORE_BF16 and MKL to
-AVX512_E3 (no AMX: what a Zen 4 has). JSON goes to ``bench/out/cpu_native[_non_amx].json``.
+AVX512_E3 (no AMX: what a Zen 4 has). JSON goes to ``bench/out/cpu_native[_absorb][_non_amx].json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -40,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -47,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import openmla  # noqa: E402
-from openmla import PagedLatentCache, preset  # noqa: E402
+from openmla import PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
 from openmla.flops import fused_op_flops  # noqa: E402
 from openmla.testing import make_case, small_config  # noqa: E402
 
@@ -140,6 +147,53 @@ def prefill_fns(H: int, seqs: int, n: int, flex: bool, log) -> tuple[dict, int, 
     flops = fused_op_flops(preset("deepseek-v3", H), [0] * seqs, [n] * seqs, False)
     kv_bytes = seqs * n * (L + R) * 2
     return fns, flops, kv_bytes
+
+
+# Query absorption and output projection ------------------------------------------------------
+def _without_native_absorb(step: openmla.MLAPlan) -> openmla.MLAPlan:
+    """A copy of ``step`` whose backend lacks ``absorb``/``unabsorb``: the plan then runs
+    ``openmla.combine``'s (one ``torch.bmm`` each), as before the native ones existed."""
+    be = step.backend
+    hidden = types.SimpleNamespace(**{k: getattr(be, k) for k in dir(be) if not k.startswith("_") and k not in ("absorb", "unabsorb")})
+    out = copy.copy(step)
+    out.backend = hidden
+    return out
+
+
+def absorb_fns(H: int, T: int) -> dict[str, tuple[dict, int, int]]:
+    """``absorb`` ([T, H, 192] x w_uk [H, 512, 128]) and ``unabsorb`` ([T, H, 512] x w_uv [H, 128, 512])
+    alone: ``cpu`` the native backend's, ``combine`` openmla.combine's (torch.bmm). Bytes: the weight."""
+    from openmla import combine
+    from openmla.backends.cpu import api
+
+    g = torch.Generator().manual_seed(T * H)
+    bf = lambda *s: (torch.randn(*s, generator=g) * 0.1).bfloat16()  # noqa: E731
+    q, lat, w_uk, w_uv = bf(T, H, DN + R), bf(T, H, L), bf(H, L, DN), bf(H, DV, L)
+    flops, w_bytes = 2 * T * H * L * DN, H * L * DN * 2
+    return {
+        f"absorb H={H} T={T}": ({"cpu": lambda: api.absorb(q, w_uk), "combine": lambda: combine.absorb(q, w_uk)}, flops, w_bytes),
+        f"unabsorb H={H} T={T}": ({"cpu": lambda: api.unabsorb(lat, w_uv), "combine": lambda: combine.unabsorb(lat, w_uv)},
+                                  flops, w_bytes),
+    }
+
+
+def fused_decode_fns(B: int, S: int, H: int, page_size: int = 64) -> tuple[dict, int, int]:
+    """The fused op of one decode step (``plan.run``: cache write, absorb, decode, unabsorb) over
+    B x S cached tokens, the plan made once outside the timing; ``cpu`` with the native
+    absorption, ``cpu+combine`` the same plan with combine's. Bytes: the cache and both weights."""
+    cfg = preset("deepseek-v3", H)
+    _, batch, _ = decode_inputs(B, S, H, page_size)
+    g = torch.Generator().manual_seed(H)
+    bf = lambda *s: (torch.randn(*s, generator=g) * 0.1).bfloat16()  # noqa: E731
+    w_k = bf(H * DN, L)
+    args = (bf(B, H, DN + R), bf(B, L + R), rope_freqs_cis(cfg, S + 8), torch.ones(L).bfloat16(), 0, w_k,
+            w_k.view(H, DN, L).transpose(1, 2).contiguous(), bf(H, DV, L))
+    step = openmla.plan(batch, scale=cfg.softmax_scale, backend="cpu")
+    before = _without_native_absorb(step)
+    fns = {"cpu": lambda: step.run(*args), "cpu+combine": lambda: before.run(*args)}
+    n = S + 1
+    flops = fused_op_flops(cfg, [S] * B, [1] * B, True)
+    return fns, flops, B * n * (L + R) * 2 + 2 * H * L * DN * 2
 
 
 # FlexAttention (compiled) ------------------------------------------------------------------
@@ -281,6 +335,7 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
     ap.add_argument("--no-cpu-time", action="store_true", help="skip the single-thread CPU-time pass")
     ap.add_argument("--non-amx", action="store_true", help="rerun with oneDNN and MKL limited to AVX-512 (no AMX)")
+    ap.add_argument("--absorb", action="store_true", help="only the absorption shapes (absorb/unabsorb alone, fused decode op)")
     args = ap.parse_args()
     if args.non_amx and any(os.environ.get(k) != v for k, v in NON_AMX_ENV.items()):
         sys.exit(subprocess.call([sys.executable, *sys.argv], env=dict(os.environ, **NON_AMX_ENV)))
@@ -294,9 +349,15 @@ def main() -> None:
     flex = not args.no_flex
     log = lambda s: print(s, flush=True)  # noqa: E731
     workloads = {}
+    if not args.absorb:
+        for H in (16, 128):
+            workloads[f"decode H={H} {B}x{S}"] = decode_fns(B, S, H, 64, flex, log)
+        workloads[f"prefill H=16 2x{seq_len}"] = prefill_fns(16, 2, seq_len, flex, log)
     for H in (16, 128):
-        workloads[f"decode H={H} {B}x{S}"] = decode_fns(B, S, H, 64, flex, log)
-    workloads[f"prefill H=16 2x{seq_len}"] = prefill_fns(16, 2, seq_len, flex, log)
+        for T in (8, 64):
+            workloads.update(absorb_fns(H, T))
+    for H in (16, 128):
+        workloads[f"fused decode H={H} {B}x{S}"] = fused_decode_fns(B, S, H)
     results = {"machine": info, "args": vars(args)}
     results["wall"] = measure(workloads, reps, time.perf_counter, args.threads)
     print_table(f"wall time, {args.threads} threads", results["wall"])
@@ -305,7 +366,8 @@ def main() -> None:
         print_table("single-thread CPU time", results["cpu_time"])
     info["loadavg_after"] = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"cpu_native{'_non_amx' if info['onednn_max_cpu_isa'] else ''}{'_quick' if args.quick else ''}.json"
+    path = OUT / (f"cpu_native{'_absorb' if args.absorb else ''}{'_non_amx' if info['onednn_max_cpu_isa'] else ''}"
+                  f"{'_quick' if args.quick else ''}.json")
     path.write_text(json.dumps(results, indent=1))
     print(f"\nload {info['loadavg_before']} -> {info['loadavg_after']}; wrote {path}")
 

@@ -10,7 +10,9 @@ Two ways to run the same step:
 - ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (every call validates and
   plans again: what a model built on the seed-named ops does);
 - ``plan``: ``openmla.plan(batch, ...)`` once, then ``plan.run(...)`` per layer (skipped when the
-  installed openmla has no ``plan``; the script runs against older checkouts too).
+  installed openmla has no ``plan``; the script runs against older checkouts too);
+- ``plan+combine``: the same with ``openmla.combine``'s absorb/unabsorb (one ``torch.bmm`` each)
+  instead of the backend's own (only where the backend has them: the native ``cpu`` one).
 
 Each runs twice: on the real ``torch`` backend (the step time), and on a null backend whose
 kernels return empty tensors at once, so that the time left is the host path alone (checks,
@@ -21,12 +23,14 @@ time / layers: CPU time holds when another process shares the box. JSON: ``bench
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -61,10 +65,23 @@ def step_per_op(cfg, batch, w, x, layers: int) -> None:
                                          w["w_k"], w["w_uk"], w["w_uv"], scale=cfg.softmax_scale)
 
 
-def step_plan(cfg, batch, w, x, layers: int) -> None:
+def step_plan(cfg, batch, w, x, layers: int, combine: bool = False) -> None:
     plan = openmla.plan(batch, scale=cfg.softmax_scale)
+    if combine:
+        plan = without_backend_absorb(plan)
     for layer in range(layers):
         plan.run(x["q"], x["kv"], x["freqs_cis"], x["gamma"], layer, w["w_k"], w["w_uk"], w["w_uv"])
+
+
+def without_backend_absorb(plan):
+    """``plan`` with a backend that lacks its own ``absorb``/``unabsorb`` (the plan then runs
+    ``openmla.combine``'s, one ``torch.bmm`` each); unchanged on the null backend."""
+    be = plan.backend
+    if isinstance(be, NullBackend) or not hasattr(be, "absorb"):
+        return plan
+    out = copy.copy(plan)
+    out.backend = types.SimpleNamespace(**{k: getattr(be, k) for k in dir(be) if not k.startswith("_") and k not in ("absorb", "unabsorb")})
+    return out
 
 
 class NullBackend:
@@ -127,6 +144,10 @@ def main() -> None:
     ways = {"per-op": step_per_op}
     if hasattr(openmla, "plan"):
         ways["plan"] = step_plan
+        from openmla.backends import load_backend, resolve_backend_name
+
+        if hasattr(load_backend(resolve_backend_name(None, torch.device("cpu"))), "absorb"):
+            ways["plan+combine"] = lambda *a: step_plan(*a, combine=True)
     rows = []
     print(f"load average {os.getloadavg()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{args.threads} thread(s), {args.layers} layers, H=16, {CACHED} cached tokens per sequence")
@@ -140,7 +161,7 @@ def main() -> None:
             host = null_cpu / args.layers
             rows.append(dict(batch=B, way=name, step_ms=wall * 1e3, step_cpu_ms=cpu * 1e3, host_step_cpu_ms=null_cpu * 1e3,
                              host_per_layer_us=host * 1e6))
-            print(f"B={B:3d} {name:7s} step {wall * 1e3:8.2f} ms (cpu {cpu * 1e3:8.2f} ms)  host path: {null_cpu * 1e3:7.2f} ms "
+            print(f"B={B:3d} {name:12s} step {wall * 1e3:8.2f} ms (cpu {cpu * 1e3:8.2f} ms)  host path: {null_cpu * 1e3:7.2f} ms "
                   f"per step, {host * 1e6:7.1f} us per layer")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(dict(load=os.getloadavg(), layers=args.layers, threads=args.threads, rows=rows), indent=1))

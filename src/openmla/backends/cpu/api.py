@@ -10,9 +10,11 @@ page table, host lengths, the prefill chunk plan) and calls ``kernels``.
 | ``prefill`` | dense: per chunk of the plan, a native gather, two torch matmuls (K/V up-projection) |
 | | and native flash attention (sparse prefill reaches ``decode`` through the plan) |
 | ``flare_mla_prefill`` | a native gather of the rope rows and native flash attention |
+| ``absorb`` / ``unabsorb`` | one native call each (per-head brgemm; the weight packed once and cached) |
 
 Inputs the kernels do not take run the torch backend instead: float64, tensors off the CPU, odd
-widths, a float64 cache.
+widths, a float64 cache; ``absorb``/``unabsorb`` run ``openmla.combine``'s for mixed, float16 or
+float64 dtypes, autograd and ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ... import combine
 from .. import torch_cpu
 from ...cache import CacheBatch
 from ..torch_cpu.prefill import default_buffer_size
-from . import kernels
+from . import kernels, packed
 
 if TYPE_CHECKING:
     from ...planning import ChunkRows, MLAPlan
     from ...spec import AttentionSpec
 
-__all__ = ["name", "cache_formats", "write_cache", "decode", "prefill", "flare_mla_prefill"]
+__all__ = ["name", "cache_formats", "write_cache", "decode", "prefill", "flare_mla_prefill", "absorb", "unabsorb"]
 
 name = "cpu"
 cache_formats = ("native", "fp8_e4m3", "fp8_ds_mla")
@@ -64,6 +67,35 @@ def write_cache(plan: "MLAPlan", layer_idx: int, q, kv, freqs_cis, kv_norm_gamma
     if not takes:
         return torch_cpu.write_cache(plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved)
     return kernels.write_cache(q, kv, freqs_cis, kv_norm_gamma, layer, epsilon=epsilon, interleaved=interleaved)
+
+
+def _heads_native(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """Whether the per-head kernel takes ``x [T, H, k+c]`` and ``w [H, M, k]``: CPU tensors of one
+    dtype that is its own compute dtype (bf16 where bf16 brgemm runs, float32), an even ``k`` for
+    bf16, no autograd graph to keep, and not under ``torch.compile`` (the packed-weight cache
+    reads addresses; compiled graphs get combine's matmuls)."""
+    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype
+            and kernels.compute_dtype(x.dtype) == x.dtype and (k % 2 == 0 or x.dtype == torch.float32)
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.compiler.is_compiling())
+
+
+def absorb(q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``combine.absorb``: ``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]`` (one
+    native call; ``w_uk`` packed once, see ``packed``)."""
+    L, Dn = w_uk.shape[1], w_uk.shape[2]
+    if not _heads_native(q_rot, w_uk, Dn):
+        return combine.absorb(q_rot, w_uk)
+    return kernels.heads_gemm(q_rot, packed.packed(w_uk), L, Dn)
+
+
+def unabsorb(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``combine.unabsorb``: ``out_lat [T, H, L]``, ``w_uv [H, Dv, L]`` -> ``out [T, H, Dv]`` (one
+    native call; ``w_uv`` packed once)."""
+    Dv, L = w_uv.shape[1], w_uv.shape[2]
+    if out_lat.shape[2] != L or not _heads_native(out_lat, w_uv, L):
+        return combine.unabsorb(out_lat, w_uv)
+    return kernels.heads_gemm(out_lat, packed.packed(w_uv), Dv, L)
 
 
 def decode(plan: "MLAPlan", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec",

@@ -21,7 +21,7 @@ from ...masks import MaskKind, MaskVariant
 from . import build
 
 __all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
-           "prefill", "prefill_chunk"]
+           "prefill", "prefill_chunk", "pack_heads", "heads_gemm"]
 
 MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
               MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
@@ -128,6 +128,34 @@ def decode(
         int(num_partitions or 0), out, lse,
     )
     return out, lse
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def pack_heads(w: torch.Tensor) -> torch.Tensor:
+    """``w [H, M, K]`` (bf16 or float32, any strides) -> brgemm B operands of every ``w[h]^T``:
+    ``[H, K*M]``, per head and block of n rows of ``w[h]``, ``[K/2][n][2]`` pairs for bf16 (even K)
+    or ``[K][n]`` for float32 (only :func:`heads_gemm` reads it)."""
+    H, M, K = w.shape
+    odd = w.dtype == torch.bfloat16 and any(s % 2 for s in (*w.stride()[:2], w.storage_offset()))
+    if w.stride(-1) != 1 or odd:  # the kernel reads bf16 rows as 32-bit pairs
+        w = w.clone(memory_format=torch.contiguous_format)
+    packed = _alloc((H, K * M), w.dtype)
+    build.ops().pack_heads(w, packed)
+    return packed
+
+
+def heads_gemm(x: torch.Tensor, packed: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """Per-head products: ``x [T, H, k+c]`` and ``packed`` = :func:`pack_heads` of ``w [H, m, k]``
+    (one dtype, bf16 or float32) -> ``out [T, H, m+c]`` with ``out[t, h, :m] = w[h] @ x[t, h, :k]``
+    (float32 accumulation) and x's last ``c`` columns copied: ``combine.absorb`` with c = R,
+    ``combine.unabsorb`` with c = 0. No ``torch.no_grad`` here (it costs microseconds per call, a
+    decode step makes two calls per layer): inputs must not require grad."""
+    T, H, D = x.shape
+    if x.stride(-1) != 1 or (T > 1 and x.stride(0) < k):  # rows are brgemm's A: unit stride, not overlapping
+        x = x.contiguous()
+    out = _alloc((T, H, m + D - k), x.dtype)
+    build.ops().heads_gemm(x, packed, m, k, out)
+    return out
 
 
 @torch.no_grad()  # inference kernels: outputs carry no autograd graph

@@ -9,6 +9,7 @@
 
 #include "cache_write.h"
 #include "decode.h"
+#include "heads_gemm.h"
 #include "prefill.h"
 
 namespace openmla {
@@ -231,6 +232,48 @@ void prefill_chunk_op(
   else run_prefill<float>(a);
 }
 
+// W [H, M, K] (unit last stride; bf16: even strides and offset) -> its per-head brgemm B operands
+// W[h]^T, packed [H, K/2, M, 2] (bf16) or [H, K, M] (float32).
+void pack_heads_op(const at::Tensor& w, const at::Tensor& packed) {
+  const at::ScalarType dtype = w.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "openmla cpu: pack_heads takes bf16/fp32");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && w.stride(2) == 1, "openmla cpu: w must be a CPU [H, M, K] with unit last stride");
+  const int64_t H = w.size(0), M = w.size(1), K = w.size(2);
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(!bf16 || (K % 2 == 0 && w.stride(0) % 2 == 0 && w.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 4 == 0),
+              "openmla cpu: bf16 w needs an even K, even strides and a 4-byte aligned start (its rows are read in pairs)");
+  check_out(packed, {H, K * M}, dtype, "packed");
+  if (bf16) pack_heads<BFloat16>(w.data_ptr<BFloat16>(), w.stride(0), w.stride(1), H, M, K, packed.data_ptr<BFloat16>());
+  else pack_heads<float>(w.data_ptr<float>(), w.stride(0), w.stride(1), H, M, K, packed.data_ptr<float>());
+}
+
+// out[t, h, :M] = W[h] x x[t, h, :K] and out[t, h, M:] = x[t, h, K:] (query absorption with its
+// rope part, or the output projection): x [T, H, K + copy] with unit last stride, ``packed`` from
+// pack_heads of W [H, M, K], out [T, H, M + copy] contiguous, all bf16 or all float32.
+void heads_gemm_op(const at::Tensor& x, const at::Tensor& packed, int64_t m, int64_t k, const at::Tensor& out) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "openmla cpu: heads_gemm takes bf16/fp32");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "openmla cpu: x must be a CPU [T, H, D] with unit last stride");
+  HeadsGemmArgs a;
+  a.T = x.size(0);
+  a.H = x.size(1);
+  a.M = m;
+  a.K = k;
+  a.copy = x.size(2) - k;
+  TORCH_CHECK(m > 0 && k > 0 && a.copy >= 0 && (dtype != at::kBFloat16 || k % 2 == 0), "openmla cpu: heads_gemm widths");
+  check_out(packed, {a.H, k * m}, dtype, "packed");
+  check_out(out, {a.T, a.H, m + a.copy}, dtype, "out");
+  a.x = x.data_ptr();
+  a.x_st = x.stride(0);
+  a.x_sh = x.stride(1);
+  a.packed = packed.data_ptr();
+  a.out = out.data_ptr();
+  a.o_st = out.stride(0);
+  a.o_sh = out.stride(1);
+  if (dtype == at::kBFloat16) run_heads_gemm<BFloat16>(a);
+  else run_heads_gemm<float>(a);
+}
+
 // Test hook: fill every thread's scratch memory with NaN bytes, so a kernel that reads scratch
 // it did not write shows it.
 void poison_scratch() {
@@ -277,6 +320,8 @@ TORCH_LIBRARY(openmla_cpu, m) {
       "Tensor(b!)? state_ref, Tensor(c!)? state_sum, bool first, bool last, Tensor? attn_sink, Tensor(d!) out, "
       "Tensor(e!) lse) -> ()",
       &openmla::prefill_chunk_op);
+  m.def("pack_heads(Tensor w, Tensor(a!) packed) -> ()", &openmla::pack_heads_op);
+  m.def("heads_gemm(Tensor x, Tensor packed, int m, int k, Tensor(a!) out) -> ()", &openmla::heads_gemm_op);
   m.def("bf16_gemm_supported() -> bool", &openmla::bf16_gemm_supported);
   m.def("poison_scratch() -> ()", &openmla::poison_scratch);
 }
