@@ -1,7 +1,7 @@
 """Greedy generation with vLLM's offline ``LLM`` in a fresh process (the plugin's registration
 is process-wide): ``python generate.py SPEC.json`` prints one JSON line ``RESULT {...}`` with
 the token ids of every round, the prompt tokens each request found in the prefix cache and the
-engine settings that were in force.
+engine settings that were in force (``amx_bmm``: the decode absorption ran on vLLM's AMX bmm).
 
 RESULT also holds ``margins``: per generated token, the log-probability gap between the greedy
 token and the runner-up (vLLM's top-2 logprobs).
@@ -92,6 +92,7 @@ def main(path: str) -> None:
         tokens=rounds, margins=margins, cached_tokens=cached, block_size=cfg.cache_config.block_size,
         chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
+        amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
         max_rel_err=max(ERRORS, default=None))), flush=True)
 

@@ -6,6 +6,11 @@ the prefill tokens (roped q, up-projected form over the cached prefix and the ne
 ``forward_mqa`` for the decode tokens (q already absorbed by vLLM, which also applies W_UV to
 the latent output). Each runs the plan the metadata builder made for the step over this
 layer's own cache tensor.
+
+The decode form's absorption (q x W_UK) and output projection (x W_UV) are vLLM's, outside
+the backend. On a CPU with AMX the impl opts into vLLM's AMX batched GEMM for both
+(``uses_amx_bmm``: the weights packed once by vLLM's own ``AMXMLAImpl`` code, as its AMX_MLA
+backend does); elsewhere vLLM runs one ``torch.bmm`` each.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         self.w_k: torch.Tensor | None = None  # [H*Dn, L], the prefill K up-projection
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
         self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
+        # Read by MLAAttention once this impl exists: vLLM's AMX bmm for the decode absorption
+        # and W_UV, against the packed weights that process_weights_after_loading makes.
+        self.uses_amx_bmm = _amx_bmm_available()
+        self._w_uk_packed = self._w_uv_packed = self._w_scale = None
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False  # forward_mha writes the model dtype
@@ -46,6 +55,10 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         w = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype).view(H, Dn + Dv, self.kv_lora_rank)
         self.w_k = w[:, :Dn].reshape(H * Dn, self.kv_lora_rank).contiguous()
         self.w_uv = w[:, Dn:].contiguous()
+        if self.uses_amx_bmm:  # vLLM's own packing (sets _w_uk_packed, _w_uv_packed, _w_scale)
+            from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+            AMXMLAImpl.process_weights_after_loading(self, act_dtype)
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
@@ -89,3 +102,12 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         plan = attn_metadata.prefill_plan.with_blocks(layer_blocks(kv_c_and_k_pe_cache))
         out = plan.prefill(q, 0, self.w_k, self.w_uv)
         output.view(out.shape).copy_(out)
+
+
+def _amx_bmm_available() -> bool:
+    """Whether vLLM's CPU AMX batched GEMM (and its weight packing) can run here."""
+    from vllm.platforms import current_platform
+
+    ops = getattr(torch.ops, "_C", None)
+    return (current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
+            and hasattr(ops, "convert_weight_packed") and hasattr(ops, "bmm_cpu"))
