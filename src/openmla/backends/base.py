@@ -19,7 +19,12 @@ if TYPE_CHECKING:
 
 
 class Backend(Protocol):
-    """What ``openmla.plan`` drives. A module with these names is a backend."""
+    """What ``openmla.plan`` drives. A module with these names is a backend.
+
+    Optional: ``absorb(q_rot, w_uk)`` and ``unabsorb(out_lat, w_uv)`` with the contract of
+    ``openmla.combine``'s functions of those names (the decode form's query absorption and output
+    projection); a plan uses combine's where a backend has none (the native ``cpu`` one has its own).
+    """
 
     name: str
     cache_formats: tuple[str, ...]  # CacheBatch.cache_format values it reads and writes
