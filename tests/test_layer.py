@@ -154,6 +154,22 @@ def test_split_matches_kv_b_proj_layout():
         torch.testing.assert_close(layer.w_uv[h], rows[Dn:], rtol=0, atol=0)
 
 
+def test_split_under_inference_mode_gives_versioned_tensors():
+    """Loaded inside torch.inference_mode, the split weights are still normal tensors (a backend
+    caches forms of them keyed by version counter) and equal the eager split."""
+    cfg = tiny_config()
+    weights = random_hf_weights(cfg)
+    eager = LatentAttention(cfg, 0, dtype=torch.float32)
+    eager.load_hf_state_dict(weights)
+    with torch.inference_mode():
+        layer = LatentAttention(cfg, 0, dtype=torch.float32)
+        layer.load_hf_state_dict(weights)
+    for name in ("w_k", "w_uk", "w_uv"):
+        assert not getattr(layer, name).is_inference(), name
+        torch.testing.assert_close(getattr(layer, name), getattr(eager, name), rtol=0, atol=0)
+    assert layer.w_uv.data_ptr() != layer.kv_b_proj.weight.data_ptr()
+
+
 # load_hf_state_dict -------------------------------------------------------------------------------
 @pytest.mark.parametrize("prefix", ["", "self_attn.", "model.layers.1.self_attn.", "language_model.model.layers.1.self_attn."])
 def test_load_with_and_without_prefix(prefix):

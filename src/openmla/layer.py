@@ -163,11 +163,14 @@ class LatentAttention(nn.Module):
         """
         c = self.config
         H, L, Dn, Dv = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
-        w = self.kv_b_proj.weight.detach().reshape(H, Dn + Dv, L)
-        w_uk_rows, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
-        self.w_k = w_uk_rows.reshape(H * Dn, L).to(self.w_k.dtype).contiguous()
-        self.w_uk = w_uk_rows.transpose(1, 2).to(self.w_uk.dtype).contiguous()
-        self.w_uv = w_uv.to(self.w_uv.dtype).contiguous()
+        # Normal tensors even when called under torch.inference_mode: a backend may cache
+        # derived forms of these (the cpu backend's packed weights), keyed by version counters.
+        with torch.inference_mode(False):
+            w = self.kv_b_proj.weight.detach().reshape(H, Dn + Dv, L)
+            w_uk_rows, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
+            self.w_k = w_uk_rows.reshape(H * Dn, L).to(self.w_k.dtype, copy=True).contiguous()
+            self.w_uk = w_uk_rows.transpose(1, 2).to(self.w_uk.dtype).contiguous()
+            self.w_uv = w_uv.to(self.w_uv.dtype, copy=True).contiguous()
 
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected ``{hf_name: shape}`` of this layer's tensors (names without the layer prefix)."""
