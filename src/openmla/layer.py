@@ -168,9 +168,10 @@ class LatentAttention(nn.Module):
         with torch.inference_mode(False):
             w = self.kv_b_proj.weight.detach().reshape(H, Dn + Dv, L)
             w_uk_rows, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
-            self.w_k = w_uk_rows.reshape(H * Dn, L).to(self.w_k.dtype, copy=True).contiguous()
-            self.w_uk = w_uk_rows.transpose(1, 2).to(self.w_uk.dtype).contiguous()
-            self.w_uv = w_uv.to(self.w_uv.dtype, copy=True).contiguous()
+            fresh = dict(memory_format=torch.contiguous_format, copy=True)  # one copy each, never a view of the weight
+            self.w_k = w_uk_rows.to(self.w_k.dtype, **fresh).view(H * Dn, L)
+            self.w_uk = w_uk_rows.transpose(1, 2).to(self.w_uk.dtype, **fresh)
+            self.w_uv = w_uv.to(self.w_uv.dtype, **fresh)
 
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected ``{hf_name: shape}`` of this layer's tensors (names without the layer prefix)."""
