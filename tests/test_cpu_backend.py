@@ -166,6 +166,70 @@ def test_deepseek_dims_decode_and_prefill():
     check_prefill(case, mask="sliding_window_causal", window_size=100)
 
 
+# The own AMX micro-kernel (bf16 decode where tokens x heads, the entry width and pages come in
+# whole 16 x 32 tiles) against brgemm and the reference ----------------------------------------------
+TILED = dict(L=64, R=32)  # entry width 96: whole tiles
+
+
+@pytest.fixture
+def own_amx():
+    from openmla.backends.cpu import kernels
+
+    if not kernels.set_own_amx(True):
+        pytest.skip("no AMX here (or the compiler does not target it)")
+    yield kernels
+    kernels.set_own_amx(True)
+
+
+def check_own_and_brgemm(kernels, case: Case, q_abs: torch.Tensor, **kw):
+    """Decode on the micro-kernel (which must run) and on brgemm, each against the reference."""
+    before = kernels.own_amx_units()
+    own, own_lse = check_decode(case, q_abs, **kw)
+    assert kernels.own_amx_units() > before, "the own AMX kernel did not run"
+    kernels.set_own_amx(False)
+    try:
+        plain, plain_lse = check_decode(case, q_abs, **kw)
+    finally:
+        kernels.set_own_amx(True)
+    assert_close(own, plain, 1e-2, "own AMX vs brgemm", case.seed)
+
+
+@pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
+@pytest.mark.parametrize("page_size,H,new", [(16, 16, [1, 2, 1, 0, 3]), (64, 32, [1, 1, 1, 1, 1]),
+                                             (48, 8, [2, 2, 1, 2, 2]), (256, 16, [1, 4, 1, 1, 2])])
+def test_own_amx_decode(own_amx, mask, extra, page_size, H, new):
+    """Pages read in place past NaN rows, several tokens per unit (8 heads x 2 tokens), units of
+    both kernels in one call (8 heads x 1 token), slabs of long pages, split-KV."""
+    case = make_case([0, 1, 37, 300, 611], new, config=small_config(num_heads=H, **TILED), page_size=page_size,
+                     dtype=torch.bfloat16, spare_pages=3)
+    poison_unused_rows(case)
+    q_abs = random_q_abs(case)
+    check_own_and_brgemm(own_amx, case, q_abs, mask=mask, **extra)
+    check_own_and_brgemm(own_amx, case, q_abs, mask=mask, num_partitions=3, **extra)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla"])
+def test_own_amx_decode_fp8_sinks(own_amx, cache_dtype):
+    case = make_case([0, 200, 64], [2, 1, 5], config=small_config(num_heads=16, **DEEPSEEK), page_size=64,
+                     dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    check_own_and_brgemm(own_amx, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16), num_partitions=2)
+
+
+@pytest.mark.parametrize("physical", [True, False])
+def test_own_amx_sparse(own_amx, physical):
+    case = make_case([0, 40, 90, 7], [2, 1, 3, 1], config=small_config(num_heads=32, **TILED), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(case.seed + 2)
+    b = case.batch
+    T = sum(b.new_tokens_list)
+    if physical:
+        idx = torch.randint(0, b.num_pages * b.page_size, (T, 40), generator=g)
+    else:
+        seq = torch.repeat_interleave(torch.arange(b.batch_size), torch.tensor(b.new_tokens_list))
+        idx = (torch.rand(T, 40, generator=g) * torch.tensor(b.seq_lens_list)[seq][:, None]).long()
+    idx[torch.rand(T, 40, generator=g) < 0.2] = -1
+    check_own_and_brgemm(own_amx, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
+
+
 # CPUs without bf16 brgemm -------------------------------------------------------------------------
 def test_bf16_computes_in_float32_without_bf16_brgemm(monkeypatch):
     from openmla.backends.cpu import kernels

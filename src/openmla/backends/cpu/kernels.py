@@ -21,7 +21,7 @@ from ...masks import MaskKind, MaskVariant
 from . import build
 
 __all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
-           "prefill", "prefill_chunk", "pack_heads", "heads_gemm"]
+           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "set_own_amx", "own_amx_units"]
 
 MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
               MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
@@ -33,6 +33,17 @@ _bf16_gemm: list[bool] = []
 def poison_scratch() -> None:
     """Test hook: fill every thread's scratch memory with NaN bytes."""
     build.ops().poison_scratch()
+
+
+def set_own_amx(on: bool) -> bool:
+    """Let bf16 decode use the library's own AMX micro-kernel (on by default) or ATen's brgemm
+    only; returns whether the own kernel runs now (False where the CPU or build has no AMX)."""
+    return bool(build.ops().set_own_amx(bool(on)))
+
+
+def own_amx_units() -> int:
+    """Decode units the own AMX micro-kernel has run in this process."""
+    return int(build.ops().own_amx_units())
 
 
 def available() -> bool:

@@ -11,6 +11,7 @@
 // parallel region.
 #pragma once
 
+#include "amx.h"
 #include "operands.h"
 #include "softmax.h"
 
@@ -191,6 +192,25 @@ struct DecodeKernel {
     constexpr int64_t BN = DECODE_BLOCK;
     const int64_t n_max = plan.inplace ? std::max<int64_t>(round_up(plan.align, 32), round_up(BN, 32)) : BN;
 
+    // Products on the own AMX micro-kernel where the shapes allow (M, D, L in whole tiles; in
+    // place, pages in whole tiles), else on brgemm.
+    const bool own = own_amx_unit(M);
+#if defined(OPENMLA_OWN_AMX)
+    if (own) {
+      amx_configure();
+      own_amx_units().fetch_add(1, std::memory_order_relaxed);
+    }
+#endif
+    auto mm = [own](int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* A,
+                    const T* B, float* C) {
+#if defined(OPENMLA_OWN_AMX)
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        if (own) return amx_gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
+      }
+#endif
+      gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
+    };
+
     // Q^T as the B operand of the score GEMM: [D][M] (VNNI pairs for bf16).
     T* QT = scratch<T>(S_QT, D * M);
     const T* q = static_cast<const T*>(a.q);
@@ -216,7 +236,7 @@ struct DecodeKernel {
       const int64_t n_pad = round_up(rows, 32);
       softmax_keys_major<T>(S, M, rows, n_pad, c0, c1, a.scale, ref, sum, O, L, L, PT, P);
       if (!packed) pack_b_rows<T>(vrows, rows, n_pad, L, Vp);
-      gemm(M, L, n_pad, n_pad, L, L, true, P, Vp, O);
+      mm(M, L, n_pad, n_pad, L, L, true, P, Vp, O);
     };
 
     if (a.sparse == nullptr) {
@@ -242,7 +262,7 @@ struct DecodeKernel {
           for (int64_t r = 0; r < kb.rows; r += seg) {
             if (kb.base + r + seg <= kb.a || kb.base + r >= kb.b) continue;  // no visible row in this page
             const T* A = reinterpret_cast<const T*>(a.cache.logical(b, kb.base + r));
-            gemm(seg, M, D, row_elems, M, M, false, A, QT, S + r * M);
+            mm(seg, M, D, row_elems, M, M, false, A, QT, S + r * M);
           }
         } else {
           const int64_t stored = a.cache.stored_bytes();
@@ -251,7 +271,7 @@ struct DecodeKernel {
             a.cache.load<T>(a.cache.logical(b, kb.base + r), keys + r * D, 0, D);
             vrows[r] = keys + r * D;
           }
-          gemm(round_up(kb.rows, 16), M, D, D, M, M, false, keys, QT, S);
+          mm(round_up(kb.rows, 16), M, D, D, M, M, false, keys, QT, S);
         }
         for (int64_t i = 0; i < u.nt; ++i) {
           const int32_t lo = (int32_t)std::max<int64_t>(tlo[i], kb.a) - (int32_t)kb.base;
@@ -293,11 +313,20 @@ struct DecodeKernel {
           c0[m] = 0;
           c1[m] = (int32_t)n;
         }
-        gemm(round_up(n, 16), M, D, D, M, M, false, keys, QT, S);
+        mm(round_up(n, 16), M, D, D, M, M, false, keys, QT, S);
         finish_block(n, false);
       }
     }
+#if defined(OPENMLA_OWN_AMX)
+    if (own) amx_release();
+#endif
     finish(u, O, ref, sum);
+  }
+
+  bool own_amx_unit(int64_t M) const {
+    if (!std::is_same_v<T, BFloat16> || !own_amx_enabled()) return false;
+    if (M % 16 != 0 || a.D % 32 != 0 || L() % 16 != 0) return false;
+    return !plan.inplace || a.cache.page_size % 16 == 0;
   }
 
   void finish(const DecodeUnit& u, const float* O, const float* ref, const float* sum) const {

@@ -297,6 +297,15 @@ bool bf16_gemm_supported() {
   }
 }
 
+// Turn the own AMX micro-kernel on or off (for comparisons; on by default); returns whether
+// it runs now (False where the CPU or the build cannot).
+bool set_own_amx(bool on) {
+  own_amx_switch().store(on);
+  return own_amx_enabled();
+}
+
+int64_t own_amx_unit_count() { return own_amx_units().load(); }
+
 }  // namespace
 }  // namespace openmla
 
@@ -324,4 +333,6 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def("heads_gemm(Tensor x, Tensor packed, int m, int k, Tensor(a!) out) -> ()", &openmla::heads_gemm_op);
   m.def("bf16_gemm_supported() -> bool", &openmla::bf16_gemm_supported);
   m.def("poison_scratch() -> ()", &openmla::poison_scratch);
+  m.def("set_own_amx(bool on) -> bool", &openmla::set_own_amx);
+  m.def("own_amx_units() -> int", &openmla::own_amx_unit_count);
 }
