@@ -49,6 +49,8 @@ def tiny_config(kind: str, *, q_lora: bool, moe: bool, yarn: bool, interleave: b
                   first_k_dense_replace=1 if moe else layers, initializer_range=0.2, tie_word_embeddings=False)
     if kind == "v3":
         return transformers.DeepseekV3Config(rope_interleave=interleave, **common)
+    if kind == "v32":  # DeepSeek-V3.2: top-8 keys per token (prompts reach 65 keys), 16 indexer heads
+        return transformers.DeepseekV32Config(index_topk=8, index_head_dim=32, index_n_heads=16, **common)
     return transformers.DeepseekV2Config(topk_method="group_limited_greedy", **common)
 
 
@@ -58,6 +60,7 @@ CASES = {
     "v3-qlora-moe-halfsplit-yarn-3layers": ("v3", dict(q_lora=True, moe=True, yarn=True, interleave=False, layers=3)),
     "v2-plain-moe-yarn": ("v2", dict(q_lora=False, moe=True, yarn=True)),
     "v2-qlora-dense": ("v2", dict(q_lora=True, moe=False, yarn=False)),
+    "v32-sparse-moe-yarn": ("v32", dict(q_lora=True, moe=True, yarn=True)),
 }
 
 
@@ -215,9 +218,9 @@ def test_attach_detach_round_trip(tiny_path):
         generate(model, [[1]], 1)
 
 
-def test_attach_refuses_sparse_attention_and_leaves_the_model_alone(tiny_path):
+def test_attach_refuses_a_malformed_indexer_and_leaves_the_model_alone(tiny_path):
     model = load(tiny_path)
-    model.model.layers[1].self_attn.indexer = torch.nn.Identity()  # what a DeepSeek-V3.2 layer carries
+    model.model.layers[1].self_attn.indexer = torch.nn.Identity()  # not a DeepSeek-V3.2 indexer
     impl = model.config._attn_implementation
     originals = [layer.self_attn for layer in model.model.layers]
     with pytest.raises(ValueError, match="indexer"):
@@ -226,6 +229,27 @@ def test_attach_refuses_sparse_attention_and_leaves_the_model_alone(tiny_path):
     assert model.config._attn_implementation == impl and not is_attached(model)
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM"):
         attach(model.model, num_pages=8)
+
+
+def test_v32_indexer_is_shared_and_its_keys_follow_the_pages(tmp_path):
+    """attach adopts each layer's indexer (the same parameters), keeps its keys in a store with the
+    cache's rows; detach gives the modules back."""
+    save_tiny(tmp_path, "v32", q_lora=True, moe=False, yarn=False)
+    prompts = prompts_for(seed=3)[2:]
+    want, _ = transformers_greedy(load(tmp_path), prompts)
+    model = load(tmp_path)
+    originals = [layer.self_attn for layer in model.model.layers]
+    cache = attach(model, num_pages=24, page_size=4)
+    state = attachment(model)
+    assert state.index_keys.shape == (2, 24 * 4, 32) and state.index_topk == 8
+    for layer, orig in zip(model.model.layers, originals):
+        assert layer.self_attn.indexer is orig.indexer
+        assert layer.self_attn.indexer.wk.weight.data_ptr() == orig.indexer.wk.weight.data_ptr()
+    state.index_keys.fill_(float("nan"))  # rows no sequence wrote must never be read
+    assert generate(model, prompts, NEW) == want
+    assert cache.num_free_pages == cache.num_pages
+    detach(model)
+    assert [layer.self_attn for layer in model.model.layers] == originals
 
 
 def test_forward_step_gives_prefill_logits_of_transformers(tiny_path):

@@ -249,3 +249,40 @@ def test_with_blocks_runs_the_plan_over_other_storage():
         step.with_blocks(other[:, :-1])
     with pytest.raises(ValueError, match="^blocks:"):
         step.with_blocks(other.double())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_with_sparse_equals_a_plan_made_with_those_lists(backend):
+    """Per-layer top-k lists (DeepSeek-V3.2's indexer): the view equals a fresh sparse plan and
+    the float64 reference; the base plan stays dense; bad lists are ValueErrors naming them."""
+    if backend == "cpu":
+        from openmla.backends.cpu import available
+
+        if not available():
+            pytest.skip("the native cpu backend did not build here")
+    case = make_case([5, 0, 40], [1, 3, 2], page_size=4)
+    g = torch.Generator().manual_seed(case.seed + 3)
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(case.batch.new_tokens_list))
+    lens = torch.tensor(case.batch.seq_lens_list)[seq]
+    idx = (torch.rand(seq.shape[0], 6, generator=g) * lens[:, None]).long()
+    idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+    step = openmla.plan(case.batch, scale=case.scale, backend=backend)
+    view = step.with_sparse(idx, physical_indices=False)
+    assert step.spec.sparse is None and view.spec.sparse is not None and view.batch is step.batch
+    q = torch.randn(case.q.shape[0], case.config.num_heads, case.batch.head_dim, generator=g)
+    L = case.config.kv_lora_rank
+    got = view.decode(q, case.layer_idx, kv_lora_rank=L, return_lse=True)
+    for other in ("reference", backend):
+        fresh = openmla.plan(case.batch, scale=case.scale, sparse_indices=idx, physical_indices=False, backend=other)
+        want = fresh.decode(q.double() if other == "reference" else q, case.layer_idx, kv_lora_rank=L, return_lse=True)
+        assert_close(got[0], want[0], TOL[torch.float32], f"with_sparse vs {other}", case.seed)
+        assert_lse(got[1], want[1], TOL[torch.float32], case.seed)
+    assert not torch.allclose(got[0], step.decode(q, case.layer_idx, kv_lora_rank=L))
+    bad = idx.clone()
+    bad[0, 0] = case.batch.seq_lens_list[0]  # at its sequence's length
+    with pytest.raises(ValueError, match="^sparse_indices:"):
+        step.with_sparse(bad, physical_indices=False)
+    with pytest.raises(ValueError, match="^sparse_indices:"):
+        step.with_sparse(idx[:-1], physical_indices=False)
+    with pytest.raises(ValueError, match="^physical_indices:"):
+        step.with_sparse(idx, physical_indices=0)

@@ -304,6 +304,11 @@ class LatentAttention(nn.Module):
         ``window_size``, ``sparse_indices``, ``attn_sink``, ``num_partitions``, ``buffer_size``,
         ``backend``, ...). Writes this layer's cache entries for the new tokens.
         """
+        step = self.check_step(hidden_states, step, plan_options)
+        return self.attend(hidden_states, step, self.project_q(hidden_states))
+
+    def check_step(self, hidden_states: torch.Tensor, step: MLAPlan | CacheBatch, plan_options: dict) -> MLAPlan:
+        """``forward``'s argument checks; returns the step's plan (made here for a ``CacheBatch``)."""
         c = self.config
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != c.hidden_size:
             shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
@@ -316,10 +321,15 @@ class LatentAttention(nn.Module):
             raise ValueError(f"plan_options: {sorted(plan_options)} belong to the plan (openmla.plan), not to a layer call")
         elif step.spec.scale != c.softmax_scale:
             raise ValueError(f"step: planned with scale {step.spec.scale}, this layer's config needs {c.softmax_scale}")
+        if hidden_states.shape[0] != step.num_tokens:
+            raise ValueError(f"hidden_states: {hidden_states.shape[0]} rows, the step has {step.num_tokens} new tokens")
+        return step
+
+    def attend(self, hidden_states: torch.Tensor, step: MLAPlan, q: torch.Tensor) -> torch.Tensor:
+        """The checked step with the projected query ``q [T, H, Dn+R]`` (before rope): cache write,
+        attention and output projection."""
+        c = self.config
         T = hidden_states.shape[0]
-        if T != step.num_tokens:
-            raise ValueError(f"hidden_states: {T} rows, the step has {step.num_tokens} new tokens")
-        q = self.project_q(hidden_states)
         kv = self.kv_a_proj_with_mqa(hidden_states)
         out = step.run(q, kv, self._freqs_for(step, hidden_states.device), self.kv_a_layernorm.weight, self.layer_idx,
                        self.w_k, self.w_uk, self.w_uv, epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave)

@@ -308,6 +308,18 @@ class MLAPlan:
         view.batch = self.batch.with_blocks(blocks)
         return view
 
+    def with_sparse(self, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor | None = None, *,
+                    physical_indices: bool = True) -> "MLAPlan":
+        """This plan with other sparse top-k lists (validated like ``openmla.plan``'s), for a model
+        whose layers each pick their own keys (DeepSeek-V3.2's indexer runs per layer). The view
+        shares everything else with this plan; its layers run the sparse (absorbed) form."""
+        if not isinstance(physical_indices, bool):
+            raise ValueError(f"physical_indices: expected a bool, got {physical_indices!r}")
+        indices, topk = check_sparse(sparse_indices, topk_lengths, physical_indices, self.batch, self.device)
+        view = copy.copy(self)  # not registered in _LIVE, as with_blocks
+        view.spec = dataclasses.replace(self.spec, sparse=SparseSpec(indices, topk, physical_indices))
+        return view
+
     @staticmethod
     def find(input_row_offsets: torch.Tensor) -> "MLAPlan | None":
         """The live plan that owns ``input_row_offsets`` (the custom ops' way back to host state)."""

@@ -35,6 +35,8 @@ class Attachment:
     originals: list[nn.Module]
     previous_attn_implementation: str | None
     backend: str | None = None  # the openmla backend asked for (None: automatic per device)
+    index_keys: torch.Tensor | None = None  # V3.2: [layers, pages * page_size, index_head_dim], rows as the cache's
+    index_topk: int = 0
 
 
 def _not_attached(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +101,17 @@ def attach(
     cache = PagedLatentCache(len(layers), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
                              device=weight.device, rope_dim=config.qk_rope_head_dim)
     attached = [AttachedAttention.adopt(m, config, i, backend=backend) for i, m in enumerate(originals)]
+    indexers = [m.indexer for m in attached if m.indexer is not None]
+    index_keys, index_topk = None, 0
+    if indexers:
+        if len(indexers) != len(attached):
+            raise ValueError("model: only some attention layers have a top-k indexer")
+        first = indexers[0]
+        index_topk = int(first.index_topk)
+        index_keys = torch.zeros(len(layers), num_pages * page_size, first.head_dim, dtype=first.wk.weight.dtype,
+                                 device=weight.device)
+        for i, module in enumerate(attached):
+            module.index_keys = index_keys[i]
     _register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -106,7 +119,7 @@ def attach(
         raise ValueError(f"model: {type(model).__name__} does not accept a custom attention implementation")
     for layer, module in zip(layers, attached):
         layer.self_attn = module
-    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend))
+    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk))
     return cache
 
 

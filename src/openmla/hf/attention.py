@@ -19,8 +19,10 @@ from torch import nn
 
 from ..config import MLAConfig
 from ..layer import LatentAttention, shared_freqs_cis
+from .indexer import IndexStep, check_indexer, select_keys
 
 STEP_KWARG = "openmla_step"  # the keyword the attention context travels under through transformers' layers
+INDEX_KWARG = "openmla_index_step"  # and the step's IndexStep, for models with a top-k indexer (V3.2)
 _ROPE_ROWS = 4096  # first size of the shared rope table; it grows with the longest sequence seen
 
 
@@ -32,8 +34,10 @@ def projection_names(config: MLAConfig) -> tuple[str, ...]:
 
 def check_hf_attention(module: nn.Module, config: MLAConfig, where: str) -> None:
     """``ValueError`` unless ``module`` is an MLA attention module this package can take over."""
-    if hasattr(module, "indexer"):
-        raise ValueError(f"model: {where} has a top-k indexer (DeepSeek-V3.2 sparse attention), which attach does not route yet")
+    if getattr(module, "indexer", None) is not None:
+        check_indexer(module.indexer, f"{where}.indexer")
+        if config.q_lora_rank is None:
+            raise ValueError(f"model: {where} has a top-k indexer but no query latent (q_lora_rank)")
     missing = [n for n in projection_names(config) if not isinstance(getattr(module, n, None), nn.Module)]
     if missing:
         raise ValueError(f"model: {where} ({type(module).__name__}) is not a DeepSeek MLA attention module: no {missing}")
@@ -57,7 +61,13 @@ def layer_config(hf_config: Any, module: nn.Module) -> MLAConfig:
 
 
 class AttachedAttention(LatentAttention):
-    """``LatentAttention`` over the projection modules of a transformers MLA attention module."""
+    """``LatentAttention`` over the projection modules of a transformers MLA attention module.
+
+    A DeepSeek-V3.2 module's ``indexer`` is adopted too: each call then picks every token's keys
+    (``select_keys``, its keys kept in ``index_keys``, this layer's rows of the attachment's
+    store) and attends to those only."""
+
+    index_keys: torch.Tensor | None = None
 
     @classmethod
     def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, *, backend: str | None = None) -> "AttachedAttention":
@@ -66,6 +76,7 @@ class AttachedAttention(LatentAttention):
         layer = cls(config, layer_idx, dtype=weight.dtype, device="meta", backend=backend, max_position=1)
         for name in projection_names(config):
             setattr(layer, name, getattr(module, name))
+        layer.indexer = getattr(module, "indexer", None)  # a submodule when present (its parameters shared)
         layer.split_kv_b()  # w_k, w_uk, w_uv become real tensors, derived from the adopted kv_b_proj
         layer.freqs_cis = shared_freqs_cis(config, min(config.max_position_embeddings, _ROPE_ROWS), weight.device)
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
@@ -86,5 +97,19 @@ class AttachedAttention(LatentAttention):
                              "(or openmla.hf.forward_step), or call openmla.hf.detach(model) first")
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
-        out = super().forward(hidden_states[0], step)
-        return out[None], None
+        if self.indexer is None:
+            return super().forward(hidden_states[0], step)[None], None
+        return self._sparse_forward(hidden_states[0], step, kwargs)[None], None
+
+    def _sparse_forward(self, hidden: torch.Tensor, step: Any, kwargs: dict) -> torch.Tensor:
+        """V3.2: the indexer's selection, then attention over the selected keys only."""
+        index_step = kwargs.get(INDEX_KWARG)
+        if not isinstance(index_step, IndexStep) or self.index_keys is None:
+            raise ValueError(f"{INDEX_KWARG}: this layer has a top-k indexer; run the model through openmla.hf.generate "
+                             "(or openmla.hf.forward_step) of an attached model")
+        cos, sin = kwargs["position_embeddings"]  # transformers' rotary tables at the step's positions, [1, T, rope]
+        step = self.check_step(hidden, step, {})
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+        q = self.q_b_proj(q_resid).view(hidden.shape[0], self.config.num_heads, self.config.qk_head_dim)
+        picked = select_keys(self.indexer, self.index_keys, index_step, hidden, q_resid, cos[0], sin[0])
+        return self.attend(hidden, step.with_sparse(picked, physical_indices=False), q)

@@ -14,7 +14,8 @@ from torch import nn
 from ..cache import CacheBatch
 from ..planning import MLAPlan, plan
 from .attach import Attachment, attachment
-from .attention import STEP_KWARG
+from .attention import INDEX_KWARG, STEP_KWARG
+from .indexer import IndexStep
 
 
 def step_context(state: Attachment, batch: CacheBatch) -> MLAPlan:
@@ -48,11 +49,14 @@ def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, l
     if input_ids.dim() != 1 or input_ids.shape[0] != T:
         raise ValueError(f"input_ids: expected [{T}] (the batch's new tokens), got {tuple(input_ids.shape)}")
     device = state.cache.blocks.device
+    context = {STEP_KWARG: step_context(state, batch)}
+    if state.index_keys is not None:
+        context[INDEX_KWARG] = IndexStep.build(context[STEP_KWARG], state.index_topk)
     out = model(
         input_ids=input_ids.to(device)[None],
         position_ids=step_positions(batch).to(device)[None],
         use_cache=False,
         logits_to_keep=logit_rows.to(device),
-        **{STEP_KWARG: step_context(state, batch)},
+        **context,
     )
     return out.logits[0]

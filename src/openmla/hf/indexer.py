@@ -1,0 +1,108 @@
+"""DeepSeek-V3.2's top-k indexer (DeepSeek Sparse Attention) over the paged cache.
+
+Every attention layer of a V3.2 model picks, for each new token, the ``index_topk`` keys its
+attention reads: per-head queries ``q_h`` from the query latent, one key ``k_t`` per token
+(LayerNorm, then half-split rope on the first ``qk_rope_head_dim`` values), and
+
+    score_t = sum_h w_h * relu(scale * q_h . k_t),   w = weights_proj(hidden) / sqrt(heads)
+
+over the keys the causal mask shows; the top ``index_topk`` scores win (all visible keys when
+fewer). transformers' ``DeepseekV32Indexer`` holds the weights; here its keys live in a paged
+store beside the latent cache (the same pages and rows), and the selection of one packed ragged
+step comes back as logical positions (-1 = unused) for ``MLAPlan.with_sparse``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..planning import MLAPlan
+
+INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
+_SCORE_BUDGET = 1 << 24  # float32 scores held at once per sequence chunk (64 MiB): no [T, T] tensor
+
+
+def check_indexer(module: nn.Module, where: str) -> None:
+    """``ValueError`` unless ``module`` looks like transformers' ``DeepseekV32Indexer``."""
+    missing = [n for n in INDEXER_PARTS if not isinstance(getattr(module, n, None), nn.Module)]
+    missing += [n for n in ("n_heads", "head_dim", "index_topk", "qk_rope_head_dim", "softmax_scale") if not hasattr(module, n)]
+    if missing:
+        raise ValueError(f"model: {where} ({type(module).__name__}) is not a DeepSeek-V3.2 indexer: no {missing}")
+    if module.qk_rope_head_dim % 2 or module.qk_rope_head_dim > module.head_dim:
+        raise ValueError(f"model: {where} has rope width {module.qk_rope_head_dim} for keys of {module.head_dim}")
+
+
+@dataclass
+class IndexStep:
+    """What every layer's selection shares in one step (made once per step by ``build``).
+
+    - ``key_rows``: int64 ``[sum of sequence lengths]`` physical rows of every sequence's keys,
+      sequence after sequence, positions in order;
+    - ``spans``: per sequence with new tokens ``(t0, t1, k0, k1, p0)``: its rows ``[t0, t1)`` of
+      the step, its keys ``key_rows[k0:k1]``, the position of row ``t0``;
+    - ``write_rows``: int64 ``[T]`` physical row of every new token (the plan's);
+    - ``stride``: slots per token, ``min(index_topk, longest sequence)``.
+    """
+
+    key_rows: torch.Tensor
+    spans: list[tuple[int, int, int, int, int]]
+    write_rows: torch.Tensor
+    stride: int
+
+    @classmethod
+    def build(cls, plan: MLAPlan, index_topk: int) -> "IndexStep":
+        b = plan.batch
+        lens = torch.tensor(b.seq_lens_list, dtype=torch.long)
+        total = int(lens.sum())
+        seq = torch.repeat_interleave(torch.arange(b.batch_size), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(total) - starts.repeat_interleave(lens)
+        key_rows = b.physical_rows(seq.to(b.block_table.device), pos.to(b.block_table.device))
+        spans = []
+        for s, (t0, t1, n, c) in enumerate(zip(b.offsets_list[:-1], b.offsets_list[1:], b.seq_lens_list, b.cache_lengths_list)):
+            if t1 > t0:
+                k0 = int(starts[s])
+                spans.append((t0, t1, k0, k0 + n, c))
+        return cls(key_rows, spans, plan.write_rows, max(1, min(index_topk, max(b.seq_lens_list, default=1))))
+
+
+def _rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int) -> torch.Tensor:
+    """Rotate the first ``rope`` values of ``x [..., D]`` in two halves (``cos``/``sin`` broadcast)."""
+    rot, rest = x[..., :rope], x[..., rope:]
+    half = rope // 2
+    turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + turned * sin, rest), dim=-1)
+
+
+@torch.no_grad()
+def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden: torch.Tensor, q_resid: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Write this step's index keys into ``keys [rows, head_dim]`` (one layer's store) and return
+    int32 ``[T, step.stride]``: the logical key positions each new token attends to, -1 in unused
+    slots. ``hidden [T, hidden]`` and ``q_resid [T, q_lora_rank]`` are the layer's inputs;
+    ``cos``/``sin [T, rope]`` the model's rotary tables at the tokens' positions."""
+    T = hidden.shape[0]
+    H, D, R = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+    q = _rope_half_split(indexer.wq_b(q_resid).view(T, H, D), cos[:, None], sin[:, None], R)
+    k = _rope_half_split(indexer.k_norm(indexer.wk(hidden)), cos, sin, R)
+    keys[step.write_rows] = k.to(keys.dtype)
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * H**-0.5  # [T, H]
+    out = torch.full((T, step.stride), -1, dtype=torch.int32, device=hidden.device)
+    for t0, t1, k0, k1, p0 in step.spans:
+        n = k1 - k0
+        seq_keys = keys[step.key_rows[k0:k1]].float().T  # [D, n]
+        key_pos = torch.arange(n, device=hidden.device)
+        rows = max(1, _SCORE_BUDGET // (H * n))
+        for a in range(t0, t1, rows):
+            b = min(t1, a + rows)
+            scores = torch.relu(torch.matmul(q[a:b].float(), seq_keys) * indexer.softmax_scale)  # [c, H, n]
+            total = torch.matmul(weights[a:b, None, :], scores)[:, 0]  # [c, n]
+            q_pos = p0 + (a - t0) + torch.arange(b - a, device=hidden.device)
+            total.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
+            kk = min(step.stride, n)
+            best, picked = total.topk(kk, dim=-1)
+            out[a:b, :kk] = picked.to(torch.int32).masked_fill_(best == float("-inf"), -1)
+    return out
