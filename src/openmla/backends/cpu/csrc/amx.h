@@ -56,6 +56,16 @@ inline std::atomic<int64_t>& own_amx_units() {
 
 inline bool own_amx_enabled() { return own_amx_supported() && own_amx_switch().load(std::memory_order_relaxed); }
 
+// Other work to interleave with the tile products, called once per k step (the next block's
+// pack: its memory loads run while the tiles compute instead of after them).
+struct SideJob {
+  void (*fn)(void*) = nullptr;
+  void* ctx = nullptr;
+  void operator()() const {
+    if (fn) fn(ctx);
+  }
+};
+
 #if defined(OPENMLA_OWN_AMX)
 
 // Tiles 0-3 accumulate C; 4-7 hold A and B operands.
@@ -77,7 +87,8 @@ inline void amx_release() { at::native::cpublas::brgemm_release(true); }
 // at the block's first A row, B column and C element. The tile instructions are asm without
 // memory operands as far as the compiler knows: the caller fences around the whole product.
 template <int MT, int NT>
-inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int64_t ldb, char* c, int64_t ldc, bool add) {
+inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int64_t ldb, char* c, int64_t ldc, bool add,
+                      const SideJob& side) {
   static_assert((NT == 1 && MT <= 4) || (MT == 1 && NT <= 4) || (MT == 2 && NT == 2), "unsupported block");
   constexpr int NC = MT * NT;
   const int64_t a_row16 = 16 * lda;  // next A tile (16 rows down)
@@ -96,6 +107,7 @@ inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int6
     if constexpr (NC > 3) _tile_zero(3);
   }
   for (int64_t k = 0; k < K; k += 32, a += 64, b += b_k32) {
+    side();
     if constexpr (NT == 1) {  // one B tile, A tiles rotate through 4-6
       _tile_loadd(7, b, ldb);
       _tile_loadd(4, a, lda);
@@ -148,7 +160,7 @@ inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int6
 // C[M,N] (+)= A[M,K] x B with the tiles configured by amx_configure (same argument order and
 // element strides as gemm()).
 inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const BFloat16* A,
-                     const BFloat16* B, float* C) {
+                     const BFloat16* B, float* C, const SideJob& side = {}) {
   const char* a = reinterpret_cast<const char*>(A);
   const char* b = reinterpret_cast<const char*>(B);
   char* c = reinterpret_cast<char*>(C);
@@ -159,10 +171,10 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
       const char* am = a + m * la;
       char* cm = c + m * lc;
       switch (std::min<int64_t>(4, (M - m) / 16)) {
-        case 4: amx_block<4, 1>(K, am, la, b, lb, cm, lc, add); break;
-        case 3: amx_block<3, 1>(K, am, la, b, lb, cm, lc, add); break;
-        case 2: amx_block<2, 1>(K, am, la, b, lb, cm, lc, add); break;
-        default: amx_block<1, 1>(K, am, la, b, lb, cm, lc, add);
+        case 4: amx_block<4, 1>(K, am, la, b, lb, cm, lc, add, side); break;
+        case 3: amx_block<3, 1>(K, am, la, b, lb, cm, lc, add, side); break;
+        case 2: amx_block<2, 1>(K, am, la, b, lb, cm, lc, add, side); break;
+        default: amx_block<1, 1>(K, am, la, b, lb, cm, lc, add, side);
       }
     }
   } else if (M == 16) {  // wide: one A tile against up to 4 column tiles (P x V)
@@ -170,10 +182,10 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
       const char* bn = b + n * 4;
       char* cn = c + n * 4;
       switch (std::min<int64_t>(4, (N - n) / 16)) {
-        case 4: amx_block<1, 4>(K, a, la, bn, lb, cn, lc, add); break;
-        case 3: amx_block<1, 3>(K, a, la, bn, lb, cn, lc, add); break;
-        case 2: amx_block<1, 2>(K, a, la, bn, lb, cn, lc, add); break;
-        default: amx_block<1, 1>(K, a, la, bn, lb, cn, lc, add);
+        case 4: amx_block<1, 4>(K, a, la, bn, lb, cn, lc, add, side); break;
+        case 3: amx_block<1, 3>(K, a, la, bn, lb, cn, lc, add, side); break;
+        case 2: amx_block<1, 2>(K, a, la, bn, lb, cn, lc, add, side); break;
+        default: amx_block<1, 1>(K, a, la, bn, lb, cn, lc, add, side);
       }
     }
   } else {
@@ -183,10 +195,10 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
         const char* bn = b + n * 4;
         char* cmn = c + m * lc + n * 4;
         const bool two_m = M - m >= 32, two_n = N - n >= 32;
-        if (two_m && two_n) amx_block<2, 2>(K, am, la, bn, lb, cmn, lc, add);
-        else if (two_m) amx_block<2, 1>(K, am, la, bn, lb, cmn, lc, add);
-        else if (two_n) amx_block<1, 2>(K, am, la, bn, lb, cmn, lc, add);
-        else amx_block<1, 1>(K, am, la, bn, lb, cmn, lc, add);
+        if (two_m && two_n) amx_block<2, 2>(K, am, la, bn, lb, cmn, lc, add, side);
+        else if (two_m) amx_block<2, 1>(K, am, la, bn, lb, cmn, lc, add, side);
+        else if (two_n) amx_block<1, 2>(K, am, la, bn, lb, cmn, lc, add, side);
+        else amx_block<1, 1>(K, am, la, bn, lb, cmn, lc, add, side);
       }
     }
   }

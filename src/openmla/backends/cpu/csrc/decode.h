@@ -173,6 +173,46 @@ inline DecodePlan plan_decode(const DecodeArgs& a, bool inplace) {
   return plan;
 }
 
+// The next block's pack runs along the tile products when they are short: up to this many
+// query rows (a pair of rows per k step keeps memory busy); longer products measured slower.
+constexpr int64_t PACK_ALONG_MAX_ROWS = 32;
+
+// Tile k steps of one block's products (scores and P x V, four output tiles per step).
+inline int64_t tile_steps(int64_t rows, int64_t M, int64_t D, int64_t L) {
+  const int64_t tdp = ceil_div(rows, 16) * ceil_div(M, 16) * ceil_div(D, 32) + ceil_div(M, 16) * ceil_div(L, 16) * ceil_div(rows, 32);
+  return std::max<int64_t>(1, tdp / 4);
+}
+
+// A block's V pack cut into row pairs, one pair every ``every`` calls, spread over ``steps``
+// calls (the rest by ``finish``).
+template <typename T>
+struct PackAlong {
+  const T* const* rows = nullptr;
+  int64_t K = 0, K_pad = 0, N = 0, tail = 0;
+  T* dst = nullptr;
+  int64_t k = 0, every = 1, count = 1;
+
+  PackAlong() = default;
+  PackAlong(const T* const* rows_, int64_t K_, int64_t N_, int64_t tail_, T* dst_, int64_t steps)
+      : rows(rows_), K(K_), K_pad(round_up(K_, 32)), N(N_), tail(tail_), dst(dst_) {
+    every = std::max<int64_t>(1, steps / std::max<int64_t>(1, K_pad / 2));
+    count = every;
+  }
+  void step() {
+    if (--count > 0 || k >= K_pad) return;
+    count = every;
+    pack_b_rows_range<T>(rows, K, k, k + 2, N, dst, tail);
+    k += 2;
+  }
+  void finish() {
+    if (k < K_pad) pack_b_rows_range<T>(rows, K, k, K_pad, N, dst, tail);
+    k = K_pad;
+  }
+  SideJob job() {
+    return SideJob{[](void* self) { static_cast<PackAlong*>(self)->step(); }, this};
+  }
+};
+
 template <typename T>
 struct DecodeKernel {
   const DecodeArgs& a;
@@ -201,11 +241,13 @@ struct DecodeKernel {
       own_amx_units().fetch_add(1, std::memory_order_relaxed);
     }
 #endif
-    auto mm = [own](int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* A,
-                    const T* B, float* C) {
+    PackAlong<T> next_pack;  // the next block's V pack, run between this block's tile products
+    SideJob side;
+    auto mm = [own, &side](int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add,
+                           const T* A, const T* B, float* C) {
 #if defined(OPENMLA_OWN_AMX)
       if constexpr (std::is_same_v<T, BFloat16>) {
-        if (own) return amx_gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
+        if (own) return amx_gemm(m, n, k, lda, ldb, ldc, add, A, B, C, side);
       }
 #endif
       gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
@@ -226,9 +268,10 @@ struct DecodeKernel {
     float* S = scratch<float>(S_SCORES, round_up(n_max, 16) * M);
     T* PT = scratch<T>(S_SCORES_T, n_max * M);
     T* P = scratch<T>(S_PROBS, M * n_max);
-    T* Vp = scratch<T>(S_VPACK, n_max * L);
+    T* const Vbase = scratch<T>(S_VPACK, 2 * n_max * L);  // two buffers: this block's V and the next one's
+    T* Vp = Vbase;
     T* keys = scratch<T>(S_KEYS, round_up(n_max, 16) * D);
-    const T** vrows = scratch<const T*>(S_KPACK, n_max);
+    const T** vrows = scratch<const T*>(S_KPACK, 2 * n_max);
 
     // One block of n rows (scores already in S [rows16][M]): softmax and P x V (V packed from
     // vrows unless ``packed``).
@@ -248,16 +291,38 @@ struct DecodeKernel {
         thi[i] = (int32_t)std::min(hi, u.k_hi);
       }
       const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
+      const int64_t tail = (D - L) * (int64_t)sizeof(T);
+      auto block_rows = [&](const KeyBlock& kb, const T** rows) {  // cache rows of a block (null: not visible)
+        for (int64_t r = 0; r < kb.rows; ++r) {
+          const int64_t p = kb.base + r;
+          rows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
+        }
+      };
+      const bool pipelined = own && plan.inplace && M <= PACK_ALONG_MAX_ROWS;
+      int cur = 0;         // which V buffer holds this block
+      bool ready = false;  // packed already (along the previous block's products)
       for (int64_t pos = u.k_lo; pos < u.k_hi;) {
         const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
+        Vp = Vbase + cur * n_max * L;
+        side = SideJob{};
         if (plan.inplace) {
           // V is packed first: that pass streams the block's rows from memory (the rope columns
-          // prefetched alongside), so the score GEMM then reads them from cache.
-          for (int64_t r = 0; r < kb.rows; ++r) {
-            const int64_t p = kb.base + r;
-            vrows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
+          // prefetched alongside), so the score GEMM then reads them from cache. Pipelined, the
+          // next block's pack runs between this block's tile products instead.
+          if (!ready) {
+            block_rows(kb, vrows);
+            pack_b_rows<T>(vrows, kb.rows, round_up(kb.rows, 32), L, Vp, tail);
           }
-          pack_b_rows<T>(vrows, kb.rows, round_up(kb.rows, 32), L, Vp, (D - L) * (int64_t)sizeof(T));
+          ready = false;
+          if (pipelined && kb.b < u.k_hi) {
+            const KeyBlock nb = next_block(plan, a.cache.page_size, kb.b, u.k_hi);
+            const T** nrows = vrows + n_max;
+            block_rows(nb, nrows);
+            next_pack = PackAlong<T>(nrows, nb.rows, L, tail, Vbase + (1 - cur) * n_max * L,
+                                     tile_steps(kb.rows, M, D, L));
+            side = next_pack.job();
+            ready = true;
+          }
           const int64_t seg = std::min(a.cache.page_size, kb.rows);
           for (int64_t r = 0; r < kb.rows; r += seg) {
             if (kb.base + r + seg <= kb.a || kb.base + r >= kb.b) continue;  // no visible row in this page
@@ -282,8 +347,13 @@ struct DecodeKernel {
           }
         }
         finish_block(kb.rows, plan.inplace);
+        if (ready) {
+          next_pack.finish();
+          cur = 1 - cur;
+        }
         pos = kb.b;
       }
+      side = SideJob{};
     } else {
       // Sparse: this token's valid listed keys, compacted, in blocks of BN.
       const int64_t b = u.b, t = u.t0;

@@ -173,16 +173,18 @@ constexpr int64_t PACK_AHEAD = 16;  // rows the streaming pack prefetches ahead
 // B from K rows (rows[k], N values each; nullptr or k >= K: zeros), K_pad rows in all.
 // BFloat16: VNNI-2 [K_pad/2][N][2]; float: [K_pad][N]. ``tail_bytes``: also prefetch that many
 // bytes after each row's N values (the rest of a cache entry, read next by the score GEMM).
+// ``pack_b_rows_range`` packs rows [k0, k1) only (k0, k1 even for bf16), so a caller can spread
+// one block's pack over other work.
 template <typename T>
-void pack_b_rows(const T* const* rows, int64_t K, int64_t K_pad, int64_t N, T* dst, int64_t tail_bytes = 0) {
+void pack_b_rows_range(const T* const* rows, int64_t K, int64_t k0, int64_t k1, int64_t N, T* dst, int64_t tail_bytes = 0) {
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t k = 0; k < K_pad; ++k) {
+    for (int64_t k = k0; k < k1; ++k) {
       const float* r = k < K ? rows[k] : nullptr;
       if (r) std::memcpy(dst + k * N, r, N * sizeof(float));
       else zero_fill(dst + k * N, N * sizeof(float));
     }
   } else {
-    for (int64_t k = 0; k < K_pad; k += 2) {
+    for (int64_t k = k0; k < k1; k += 2) {
       const uint16_t* a = k < K ? reinterpret_cast<const uint16_t*>(rows[k]) : nullptr;
       const uint16_t* b = k + 1 < K ? reinterpret_cast<const uint16_t*>(rows[k + 1]) : nullptr;
       uint16_t* d = reinterpret_cast<uint16_t*>(dst) + k * N;
@@ -218,6 +220,11 @@ void pack_b_rows(const T* const* rows, int64_t K, int64_t K_pad, int64_t N, T* d
       }
     }
   }
+}
+
+template <typename T>
+void pack_b_rows(const T* const* rows, int64_t K, int64_t K_pad, int64_t N, T* dst, int64_t tail_bytes = 0) {
+  pack_b_rows_range(rows, K, 0, K_pad, N, dst, tail_bytes);
 }
 
 // B = X^T from N source rows of K values (row n at src + n * ld_src): columns [n_off, n_off + N)
