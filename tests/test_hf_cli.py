@@ -1,4 +1,4 @@
-"""``openmla generate`` on a tiny checkpoint folder, and ``openmla demo --model tiny-v3``."""
+"""``openmla generate`` on a tiny checkpoint folder, and ``openmla demo --model tiny-v3 | tiny-v32``."""
 
 from __future__ import annotations
 
@@ -72,9 +72,10 @@ def test_generate_bad_input_is_an_error_line(folder, tmp_path, capsys):
     assert "cache holds 4" in flat(capsys.readouterr().out)
 
 
-def test_demo_tiny_v3_serves_every_request(capsys):
+@pytest.mark.parametrize("model", ["tiny-v3", "tiny-v32"])
+def test_demo_tiny_model_serves_every_request(capsys, model):
     torch.manual_seed(0)
-    rc = main(["demo", "--model", "tiny-v3", "--requests", "3", "--prompt-min", "8", "--prompt-max", "40", "--gen-max", "3",
+    rc = main(["demo", "--model", model, "--requests", "3", "--prompt-min", "8", "--prompt-max", "40", "--gen-max", "3",
                "--max-running", "2", "--page-size", "16"])
     out = flat(capsys.readouterr().out)
     assert rc == 0, out

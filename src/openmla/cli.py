@@ -188,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="serve a stream of requests through one MLA layer (continuous batching)")
-    d.add_argument("--model", default="layer", choices=["layer", "tiny-v3"],
-                   help="layer: one attention layer (default); tiny-v3: a small random whole DeepSeek-V3-shaped model")
+    d.add_argument("--model", default="layer", choices=["layer", "tiny-v3", "tiny-v32"],
+                   help="layer: one attention layer (default); tiny-v3: a small random whole DeepSeek-V3-shaped model; "
+                        "tiny-v32: the same with DeepSeek-V3.2's top-k sparse attention")
     d.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     d.add_argument("--heads", type=int, default=16, help="query heads in this shard (default 16: V3 over TP=8)")
     d.add_argument("--requests", type=int, default=24)

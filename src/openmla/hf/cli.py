@@ -1,4 +1,4 @@
-"""The ``openmla generate`` command and ``openmla demo --model tiny-v3``: whole models on the command line."""
+"""The ``openmla generate`` command and ``openmla demo --model tiny-v3 | tiny-v32``: whole models on the command line."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_model_demo(args: argparse.Namespace) -> int:
-    """``openmla demo --model tiny-v3``."""
+    """``openmla demo --model tiny-v3 | tiny-v32``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -151,7 +151,8 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
                   f"at most {args.max_running} running")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("tokens", total=args.requests * max_new)
-        report = run_model_demo(num_requests=args.requests, prompt_range=(args.prompt_min, args.prompt_max), max_new_tokens=max_new,
+        report = run_model_demo(model_name=args.model, num_requests=args.requests, prompt_range=(args.prompt_min, args.prompt_max),
+                                max_new_tokens=max_new,
                                 max_running=args.max_running, page_size=args.page_size, num_pages=args.num_pages, dtype=dtype,
                                 cache_dtype=_cache_dtype(args), backend=args.backend, seed=args.seed,
                                 on_event=lambda ev: progress.advance(task))
@@ -172,9 +173,12 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     facts.add_row("generated", f"{st.generated_tokens} tokens, {st.tokens_per_s:,.1f} tokens/s")
     facts.add_row("cache pages", f"peak {st.peak_pages} of {report.num_pages} (page {report.page_size}), "
                   f"{report.pages_in_use_at_end} in use at the end, {st.preemptions} preemptions")
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # top-k selection in bf16/fp16: near-ties at the cut can pick other keys than transformers does
+    # (7% seen at a 458-token prompt, top 64); float32 checks the sparse model at 1e-4 too
+    tol = 1e-4 if dtype == torch.float32 else (0.1 if report.sparse_topk else 3e-2)
     verdict = "[green]pass[/]" if report.check_error <= tol else "[red]FAIL[/]"
-    facts.add_row("check vs transformers", f"{report.check_what}: max rel err {report.check_error:.2e} (tolerance {tol:g}) {verdict}")
+    note = " (top-k cut in low precision: --dtype fp32 checks at 1e-4)" if report.sparse_topk and dtype != torch.float32 else ""
+    facts.add_row("check vs transformers", f"{report.check_what}: max rel err {report.check_error:.2e} (tolerance {tol:g}){note} {verdict}")
     facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
     console.print(facts)
     return 0 if report.check_error <= tol else 1

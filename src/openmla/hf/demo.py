@@ -1,8 +1,10 @@
-"""``openmla demo --model tiny-v3``: a whole random DeepSeek-V3-shaped model generating on openmla.
+"""``openmla demo --model tiny-v3 | tiny-v32``: a whole random DeepSeek-V3-shaped model generating on openmla.
 
-The model is transformers' ``DeepseekV3ForCausalLM`` with DeepSeek-V3's attention dimensions
-(L=512, R=64, Dn=128, Dv=128, q_lora 1536-style low-rank queries, YaRN rope) but few heads,
-few layers and a small MoE, with random weights, so it runs on a laptop CPU in seconds. A
+The model is transformers' ``DeepseekV3ForCausalLM`` (``tiny-v32``: ``DeepseekV32ForCausalLM``,
+whose every layer attends only to the 64 keys its top-k indexer picks, dense MLPs) with DeepSeek-V3's
+attention dimensions (L=512, R=64, Dn=128, Dv=128, q_lora 1536-style low-rank queries, YaRN
+rope) but few heads, few layers and a small MoE, with random weights, so it runs on a laptop CPU
+in seconds. A
 stream of requests is served with continuous batching on the paged latent cache; the first
 token's logits of one request are checked against the same model run by transformers alone.
 """
@@ -22,19 +24,28 @@ from .scheduler import Limits
 from .stats import GenerationStats
 
 
-def tiny_v3_config(*, heads: int = 8, layers: int = 4, vocab_size: int = 8192):
-    """A small DeepSeek-V3-shaped transformers config: V3's attention dims, a 16-expert MoE."""
-    from transformers import DeepseekV3Config
+MODELS = ("tiny-v3", "tiny-v32")
+TINY_V32_TOPK = 64  # keys per token: below the demo's prompt lengths, so the selection matters
 
-    return DeepseekV3Config(
+
+def tiny_v3_config(*, heads: int = 8, layers: int = 4, vocab_size: int = 8192, sparse: bool = False):
+    """A small DeepSeek-V3-shaped transformers config: V3's attention dims, a 16-expert MoE;
+    ``sparse``: V3.2's (a top-k indexer in every layer: 16 heads of 64, top 64 keys; dense MLPs)."""
+    from transformers import DeepseekV3Config, DeepseekV32Config
+
+    # V3.2: dense MLPs, since the check against transformers compares logits and a random MoE's routing
+    # near-ties let a 1e-3 perturbation pick another expert (seen: 25% logit change at seed 0)
+    extra = (dict(index_topk=TINY_V32_TOPK, index_head_dim=64, index_n_heads=16, first_k_dense_replace=layers) if sparse
+             else dict(rope_interleave=True, first_k_dense_replace=1))
+    return (DeepseekV32Config if sparse else DeepseekV3Config)(
         vocab_size=vocab_size, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads,
         kv_lora_rank=512, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-        moe_intermediate_size=256, first_k_dense_replace=1, max_position_embeddings=163840,
+        moe_intermediate_size=256, max_position_embeddings=163840,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                              beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-        rope_interleave=True, tie_word_embeddings=False,
+        tie_word_embeddings=False, **extra,
     )
 
 
@@ -52,10 +63,12 @@ class ModelDemoReport:
     check_what: str
     wall_seconds: float
     outputs: list[list[int]] = field(default_factory=list)
+    sparse_topk: int = 0  # keys per token of a top-k sparse model (0: dense attention)
 
 
 def run_model_demo(
     *,
+    model_name: str = "tiny-v3",
     num_requests: int = 16,
     prompt_range: tuple[int, int] = (16, 256),
     max_new_tokens: int = 32,
@@ -72,10 +85,12 @@ def run_model_demo(
     """Build the model, serve ``num_requests`` random prompts, and check one request against transformers."""
     import transformers
 
+    if model_name not in MODELS:
+        raise ValueError(f"model_name: expected one of {MODELS}, got {model_name!r}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    config = tiny_v3_config()
-    model = transformers.DeepseekV3ForCausalLM(config).to(dtype).eval()
+    config = tiny_v3_config(sparse=model_name == "tiny-v32")
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     with torch.no_grad():  # transformers alone: the next-token logits of request 0
         want = model(torch.tensor([prompts[0]])).logits[0, -1].float()
@@ -101,10 +116,12 @@ def run_model_demo(
         detach(model)
     err = float((first - want).abs().max() / want.abs().max())
     return ModelDemoReport(
-        model=f"tiny-v3 ({config.num_hidden_layers} layers, {config.num_attention_heads} heads, L=512 R=64 Dn=128 Dv=128, "
-              f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, vocab {config.vocab_size})",
+        model=f"{model_name} ({config.num_hidden_layers} layers, {config.num_attention_heads} heads, L=512 R=64 Dn=128 Dv=128, "
+              + (f"top-{TINY_V32_TOPK} sparse attention, dense MLPs" if model_name == "tiny-v32"
+                 else f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}")
+              + f", vocab {config.vocab_size})",
         parameters=sum(p.numel() for p in model.parameters()), dtype=dtype, stats=stats, requests=num_requests,
         num_pages=num_pages, page_size=page_size, pages_in_use_at_end=in_use, check_error=err,
         check_what=f"request 0's first-token logits ({len(prompts[0])}-token prompt) vs transformers alone",
-        wall_seconds=wall, outputs=outputs,
+        wall_seconds=wall, outputs=outputs, sparse_topk=TINY_V32_TOPK if model_name == "tiny-v32" else 0,
     )
