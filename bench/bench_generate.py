@@ -1,10 +1,12 @@
 """Whole-model generation: ``openmla.hf.generate`` against transformers' ``model.generate``.
 
-Run: ``.venv/bin/python bench/bench_generate.py [--impls openmla eager sdpa] [--quick]``
+Run: ``.venv/bin/python bench/bench_generate.py [--impls openmla eager sdpa] [--model v2-lite|v32] [--quick]``
 
 A DeepSeek-V2-Lite-shaped transformers ``DeepseekV2ForCausalLM`` cut to ``--layers`` layers
 (hidden 2048, 16 heads, L=512, R=64, Dn=128, Dv=128, no q_lora, YaRN; layer 0 dense, the others
-MoE with 64 routed experts top-6 and 2 shared; vocab 102400), random weights, bf16. ``--batch``
+MoE with 64 routed experts top-6 and 2 shared; vocab 102400), random weights, bf16. ``--model
+v32``: the same sizes as a ``DeepseekV32ForCausalLM`` (q_lora 1536 and DeepSeek-V3.2's indexer:
+64 heads of 128, top 2048 keys per token), so prompts longer than 2048 run sparse. ``--batch``
 prompts of ``--prompt`` random tokens, ``--new`` generated tokens each, greedy, no eos.
 
 - ``openmla``: ``attach`` + ``generate`` (continuous batching: prompts are prefilled in chunks of
@@ -54,6 +56,20 @@ def v2_lite_config(layers: int, quick: bool):
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                              beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
     )
+
+
+def v32_config(layers: int, quick: bool):
+    """V2-Lite's sizes with DeepSeek-V3.2's attention (q_lora, the top-k indexer)."""
+    from transformers import DeepseekV32Config
+
+    base = v2_lite_config(layers, quick).to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+            "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace", "max_position_embeddings", "tie_word_embeddings",
+            "rope_parameters")
+    extra = dict(index_topk=16, index_head_dim=64, index_n_heads=8) if quick else dict(index_topk=2048, index_head_dim=128, index_n_heads=64)
+    return DeepseekV32Config(**{k: base[k] for k in keep if k in base}, q_lora_rank=128 if quick else 1536, n_group=1, topk_group=1,
+                             **extra)
 
 
 def cpu_seconds() -> float:
@@ -153,6 +169,7 @@ def machine() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", nargs="+", default=["openmla", "eager", "sdpa"], choices=["openmla", "eager", "sdpa"])
+    ap.add_argument("--model", default="v2-lite", choices=["v2-lite", "v32"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=1024)
@@ -173,7 +190,8 @@ def main() -> None:
     print(f"{info['cpu']} (AMX bf16: {info['amx_bf16']}), {info['threads']} threads, load {info['load_before']}", flush=True)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_config(v2_lite_config(args.layers, args.quick), dtype=torch.bfloat16).eval()
+    config = (v32_config if args.model == "v32" else v2_lite_config)(args.layers, args.quick)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, built in {time.perf_counter() - t0:.0f} s", flush=True)
     g = torch.Generator().manual_seed(1)

@@ -22,7 +22,7 @@ from torch import nn
 from ..planning import MLAPlan
 
 INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
-_SCORE_BUDGET = 1 << 24  # float32 scores held at once per sequence chunk (64 MiB): no [T, T] tensor
+_SCORE_BUDGET = 1 << 22  # float32 scores held at once per chunk of query rows (16 MiB): no [T, T] tensor
 
 
 def check_indexer(module: nn.Module, where: str) -> None:
@@ -98,11 +98,12 @@ def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden:
         rows = max(1, _SCORE_BUDGET // (H * n))
         for a in range(t0, t1, rows):
             b = min(t1, a + rows)
-            scores = torch.relu(torch.matmul(q[a:b].float(), seq_keys) * indexer.softmax_scale)  # [c, H, n]
-            total = torch.matmul(weights[a:b, None, :], scores)[:, 0]  # [c, n]
+            seen = min(n, p0 + (b - t0))  # keys past the chunk's last position are masked for all its rows
+            scores = torch.matmul(q[a:b].float(), seq_keys[:, :seen]).mul_(indexer.softmax_scale).relu_()  # [c, H, seen]
+            total = torch.matmul(weights[a:b, None, :], scores)[:, 0]  # [c, seen]
             q_pos = p0 + (a - t0) + torch.arange(b - a, device=hidden.device)
-            total.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
-            kk = min(step.stride, n)
+            total.masked_fill_(key_pos[None, :seen] > q_pos[:, None], float("-inf"))
+            kk = min(step.stride, seen)
             best, picked = total.topk(kk, dim=-1)
             out[a:b, :kk] = picked.to(torch.int32).masked_fill_(best == float("-inf"), -1)
     return out
