@@ -272,4 +272,4 @@ def test_build_and_check_commands(capsys):
     assert main(["build"]) == 0
     assert main(["check", "--backend", "cpu", "--seed", "7"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "native CPU kernels ready" in out and "all checks passed" in out
+    assert "native CPU kernels ready" in out and "all checks passed" in out and "own AMX tile kernel for bf16 decode:" in out
