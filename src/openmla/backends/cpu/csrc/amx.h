@@ -1,8 +1,9 @@
 // Own AMX micro-kernel for the skinny products of decode: C[M,N] (+)= A[M,K] x B, bf16 in,
 // float32 out, A row-major, B in VNNI-2 layout ([K/2][ldb][2]), M and N multiples of 16, K of
 // 32. Every tile is 16 rows x 64 bytes, so one tile configuration serves a whole decode unit
-// (scores and P x V alike) with no call overhead and no reconfiguration between products,
-// where ATen's brgemm pays a kernel lookup per call and a new configuration per shape change.
+// (scores and P x V alike), and, unlike a closed brgemm call, other work can run between its
+// tile products (decode runs the next key block's V pack there, so the cache stream overlaps
+// the products).
 //
 // Compiled only where the build machine's compiler targets AMX (-march=native); used only where
 // the CPU has AMX-BF16 and AMX-TILE, Linux grants the tile state, oneDNN is not capped below
