@@ -72,11 +72,12 @@ def test_generate_bad_input_is_an_error_line(folder, tmp_path, capsys):
     assert "cache holds 4" in flat(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("model", ["tiny-v3", "tiny-v32"])
-def test_demo_tiny_model_serves_every_request(capsys, model):
+@pytest.mark.parametrize("model,cache", [("tiny-v3", "same"), ("tiny-v32", "same"), ("tiny-v3", "fp8_ds_mla")])
+def test_demo_tiny_model_serves_every_request(capsys, model, cache):
     torch.manual_seed(0)
     rc = main(["demo", "--model", model, "--requests", "3", "--prompt-min", "8", "--prompt-max", "40", "--gen-max", "3",
-               "--max-running", "2", "--page-size", "16"])
+               "--max-running", "2", "--page-size", "16", "--cache-dtype", cache])
     out = flat(capsys.readouterr().out)
     assert rc == 0, out
     assert "0 in use at the end" in out and "pass" in out and "9 tokens" in out
+    assert ("fp8 latent cache" in out) == (cache != "same")

@@ -174,10 +174,14 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     facts.add_row("cache pages", f"peak {st.peak_pages} of {report.num_pages} (page {report.page_size}), "
                   f"{report.pages_in_use_at_end} in use at the end, {st.preemptions} preemptions")
     # top-k selection in bf16/fp16: near-ties at the cut can pick other keys than transformers does
-    # (7% seen at a 458-token prompt, top 64); float32 checks the sparse model at 1e-4 too
+    # (7% seen at a 458-token prompt, top 64); float32 checks the sparse model at 1e-4 too. An fp8
+    # latent cache rounds every entry to e4m3 (transformers keeps them exact): 4-12% seen.
+    fp8 = isinstance(_cache_dtype(args), str)
     tol = 1e-4 if dtype == torch.float32 else (0.1 if report.sparse_topk else 3e-2)
-    verdict = "[green]pass[/]" if report.check_error <= tol else "[red]FAIL[/]"
     note = " (top-k cut in low precision: --dtype fp32 checks at 1e-4)" if report.sparse_topk and dtype != torch.float32 else ""
+    if fp8:
+        tol, note = max(tol, 0.15), " (fp8 latent cache against transformers' exact one)"
+    verdict = "[green]pass[/]" if report.check_error <= tol else "[red]FAIL[/]"
     facts.add_row("check vs transformers", f"{report.check_what}: max rel err {report.check_error:.2e} (tolerance {tol:g}){note} {verdict}")
     facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
     console.print(facts)
