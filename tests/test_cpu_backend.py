@@ -197,11 +197,12 @@ def check_own_and_brgemm(kernels, case: Case, q_abs: torch.Tensor, **kw):
 @pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
 @pytest.mark.parametrize("page_size,H,new", [(16, 16, [1, 2, 1, 0, 3]), (64, 32, [1, 1, 1, 1, 1]),
                                              (48, 8, [2, 2, 1, 2, 2]), (256, 16, [1, 4, 1, 1, 2]),
-                                             (64, 64, [1, 1, 2, 1, 1])])
+                                             (64, 64, [1, 1, 2, 1, 1]), (8, 16, [1, 3, 1, 2, 1])])
 def test_own_amx_decode(own_amx, mask, extra, page_size, H, new):
     """Pages read in place past NaN rows, several tokens per unit (8 heads x 2 tokens), units of
-    both kernels in one call (8 heads x 1 token), slabs of long pages, split-KV; up to 32 query
-    rows the next block's V pack runs between the tile products, at 64 it does not."""
+    both kernels in one call (8 heads x 1 token), slabs of long pages, small pages gathered into
+    a key buffer (page 8), split-KV; up to 32 query rows the next block's V pack runs between the
+    tile products (pages read in place), at 64 it does not."""
     case = make_case([0, 1, 37, 300, 611], new, config=small_config(num_heads=H, **TILED), page_size=page_size,
                      dtype=torch.bfloat16, spare_pages=3)
     poison_unused_rows(case)
