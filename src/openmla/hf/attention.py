@@ -107,7 +107,10 @@ class AttachedAttention(LatentAttention):
         if not isinstance(index_step, IndexStep) or self.index_keys is None:
             raise ValueError(f"{INDEX_KWARG}: this layer has a top-k indexer; run the model through openmla.hf.generate "
                              "(or openmla.hf.forward_step) of an attached model")
-        cos, sin = kwargs["position_embeddings"]  # transformers' rotary tables at the step's positions, [1, T, rope]
+        tables = kwargs.get("position_embeddings")  # transformers' rotary tables at the step's positions, [1, T, rope]
+        if not (isinstance(tables, tuple) and len(tables) == 2):
+            raise ValueError("position_embeddings: a layer with a top-k indexer needs the model's (cos, sin) tables")
+        cos, sin = tables
         step = self.check_step(hidden, step, {})
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
         q = self.q_b_proj(q_resid).view(hidden.shape[0], self.config.num_heads, self.config.qk_head_dim)
