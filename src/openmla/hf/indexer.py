@@ -104,6 +104,6 @@ def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden:
             q_pos = p0 + (a - t0) + torch.arange(b - a, device=hidden.device)
             total.masked_fill_(key_pos[None, :seen] > q_pos[:, None], float("-inf"))
             kk = min(step.stride, seen)
-            best, picked = total.topk(kk, dim=-1)
+            best, picked = total.topk(kk, dim=-1, sorted=False)  # a set: its order does not matter
             out[a:b, :kk] = picked.to(torch.int32).masked_fill_(best == float("-inf"), -1)
     return out
