@@ -287,12 +287,17 @@ class LatentAttention(nn.Module):
             self.freqs_cis = table
         return table
 
-    def project_q(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [T, hidden]`` -> ``q [T, H, Dn+R]`` (before rope)."""
+    def query_latent(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [T, hidden]`` -> the normed query latent ``[T, q_lora_rank]`` (q_lora models)."""
+        return self.q_a_layernorm(self.q_a_proj(hidden_states))
+
+    def project_q(self, hidden_states: torch.Tensor, q_latent: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states [T, hidden]`` -> ``q [T, H, Dn+R]`` (before rope); ``q_latent``: the
+        ``query_latent`` already computed (a V3.2 indexer reads it too)."""
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = self.q_b_proj(self.query_latent(hidden_states) if q_latent is None else q_latent)
         return q.view(hidden_states.shape[0], self.config.num_heads, self.config.qk_head_dim)
 
     def forward(self, hidden_states: torch.Tensor, step: MLAPlan | CacheBatch, **plan_options: Any) -> torch.Tensor:

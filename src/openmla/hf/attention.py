@@ -112,7 +112,7 @@ class AttachedAttention(LatentAttention):
             raise ValueError("position_embeddings: a layer with a top-k indexer needs the model's (cos, sin) tables")
         cos, sin = tables
         step = self.check_step(hidden, step, {})
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-        q = self.q_b_proj(q_resid).view(hidden.shape[0], self.config.num_heads, self.config.qk_head_dim)
+        q_resid = self.query_latent(hidden)
+        q = self.project_q(hidden, q_resid)
         picked = select_keys(self.indexer, self.index_keys, index_step, hidden, q_resid, cos[0], sin[0])
         return self.attend(hidden, step.with_sparse(picked, physical_indices=False), q)
