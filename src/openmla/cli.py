@@ -179,7 +179,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     console.print(f"native CPU kernels ready in {time.perf_counter() - t0:.1f} s: {build.build_dir()}")
     console.print(f"bf16 brgemm: {'yes' if kernels.bf16_gemm() else 'no (bf16 inputs compute in float32)'}; "
                   f"oneDNN picks AMX or AVX-512 at run time (ONEDNN_MAX_CPU_ISA limits it)")
-    console.print(f"own AMX tile kernel for bf16 decode: {'yes' if kernels.set_own_amx(True) else 'no (brgemm runs those products)'}")
+    console.print(f"own AMX tile kernel for bf16 decode: {'yes' if kernels.own_amx_runs() else 'no (brgemm runs those products)'}")
     return 0
 
 

@@ -21,7 +21,7 @@ from ...masks import MaskKind, MaskVariant
 from . import build
 
 __all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
-           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "set_own_amx", "own_amx_units"]
+           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "set_own_amx", "own_amx_runs", "own_amx_units"]
 
 MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
               MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
@@ -39,6 +39,11 @@ def set_own_amx(on: bool) -> bool:
     """Let bf16 decode use the library's own AMX micro-kernel (on by default) or ATen's brgemm
     only; returns whether the own kernel runs now (False where the CPU or build has no AMX)."""
     return bool(build.ops().set_own_amx(bool(on)))
+
+
+def own_amx_runs() -> bool:
+    """Whether bf16 decode runs on the own AMX micro-kernel now (CPU, build and switch)."""
+    return bool(build.ops().own_amx_runs())
 
 
 def own_amx_units() -> int:

@@ -299,6 +299,8 @@ bool bf16_gemm_supported() {
 
 // Turn the own AMX micro-kernel on or off (for comparisons; on by default); returns whether
 // it runs now (False where the CPU or the build cannot).
+bool own_amx_runs() { return own_amx_enabled(); }
+
 bool set_own_amx(bool on) {
   own_amx_switch().store(on);
   return own_amx_enabled();
@@ -334,5 +336,6 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def("bf16_gemm_supported() -> bool", &openmla::bf16_gemm_supported);
   m.def("poison_scratch() -> ()", &openmla::poison_scratch);
   m.def("set_own_amx(bool on) -> bool", &openmla::set_own_amx);
+  m.def("own_amx_runs() -> bool", &openmla::own_amx_runs);
   m.def("own_amx_units() -> int", &openmla::own_amx_unit_count);
 }
