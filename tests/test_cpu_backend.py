@@ -201,14 +201,24 @@ def check_own_and_brgemm(kernels, case: Case, q_abs: torch.Tensor, **kw):
 def test_own_amx_decode(own_amx, mask, extra, page_size, H, new):
     """Pages read in place past NaN rows, several tokens per unit (8 heads x 2 tokens), units of
     both kernels in one call (8 heads x 1 token), slabs of long pages, small pages gathered into
-    a key buffer (page 8), split-KV; up to 32 query rows the next block's V pack runs between the
-    tile products (pages read in place), at 64 it does not."""
+    a key buffer (page 8), split-KV; up to 32 query rows V is read straight from the pages (key
+    groups of 16 that a block only partly sees are staged with zeros), at 64 it is packed."""
     case = make_case([0, 1, 37, 300, 611], new, config=small_config(num_heads=H, **TILED), page_size=page_size,
                      dtype=torch.bfloat16, spare_pages=3)
     poison_unused_rows(case)
     q_abs = random_q_abs(case)
     check_own_and_brgemm(own_amx, case, q_abs, mask=mask, **extra)
     check_own_and_brgemm(own_amx, case, q_abs, mask=mask, num_partitions=3, **extra)
+
+
+@pytest.mark.parametrize("mask,extra", MASK_CASES[::2], ids=[m for m, _ in MASK_CASES[::2]])
+def test_own_amx_decode_packs_v_of_odd_width(own_amx, mask, extra):
+    """A latent width in whole 16-column tiles but not 32-column chunks: the own kernel with V
+    packed (pages still read in place for the scores)."""
+    case = make_case([0, 5, 70, 129], [1, 2, 1, 1], config=small_config(num_heads=16, L=48, R=16), page_size=16,
+                     dtype=torch.bfloat16, spare_pages=2)
+    poison_unused_rows(case)
+    check_own_and_brgemm(own_amx, case, random_q_abs(case), mask=mask, **extra)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla"])

@@ -1,9 +1,7 @@
 // Own AMX micro-kernel for the skinny products of decode: C[M,N] (+)= A[M,K] x B, bf16 in,
 // float32 out, A row-major, B in VNNI-2 layout ([K/2][ldb][2]), M and N multiples of 16, K of
 // 32. Every tile is 16 rows x 64 bytes, so one tile configuration serves a whole decode unit
-// (scores and P x V alike), and, unlike a closed brgemm call, other work can run between its
-// tile products (decode runs the next key block's V pack there, so the cache stream overlaps
-// the products).
+// (scores and P x V alike), and P x V can read V straight from the pages (amx_pv_direct).
 //
 // Compiled only where the build machine's compiler targets AMX (-march=native); used only where
 // the CPU has AMX-BF16 and AMX-TILE, Linux grants the tile state, oneDNN is not capped below
@@ -57,16 +55,6 @@ inline std::atomic<int64_t>& own_amx_units() {
 
 inline bool own_amx_enabled() { return own_amx_supported() && own_amx_switch().load(std::memory_order_relaxed); }
 
-// Other work to interleave with the tile products, called once per k step (the next block's
-// pack: its memory loads run while the tiles compute instead of after them).
-struct SideJob {
-  void (*fn)(void*) = nullptr;
-  void* ctx = nullptr;
-  void operator()() const {
-    if (fn) fn(ctx);
-  }
-};
-
 #if defined(OPENMLA_OWN_AMX)
 
 // Tiles 0-3 accumulate C; 4-7 hold A and B operands.
@@ -88,8 +76,7 @@ inline void amx_release() { at::native::cpublas::brgemm_release(true); }
 // at the block's first A row, B column and C element. The tile instructions are asm without
 // memory operands as far as the compiler knows: the caller fences around the whole product.
 template <int MT, int NT>
-inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int64_t ldb, char* c, int64_t ldc, bool add,
-                      const SideJob& side) {
+inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int64_t ldb, char* c, int64_t ldc, bool add) {
   static_assert((NT == 1 && MT <= 4) || (MT == 1 && NT <= 4) || (MT == 2 && NT == 2), "unsupported block");
   constexpr int NC = MT * NT;
   const int64_t a_row16 = 16 * lda;  // next A tile (16 rows down)
@@ -108,7 +95,6 @@ inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int6
     if constexpr (NC > 3) _tile_zero(3);
   }
   for (int64_t k = 0; k < K; k += 32, a += 64, b += b_k32) {
-    side();
     if constexpr (NT == 1) {  // one B tile, A tiles rotate through 4-6
       _tile_loadd(7, b, ldb);
       _tile_loadd(4, a, lda);
@@ -161,7 +147,7 @@ inline void amx_block(int64_t K, const char* a, int64_t lda, const char* b, int6
 // C[M,N] (+)= A[M,K] x B with the tiles configured by amx_configure (same argument order and
 // element strides as gemm()).
 inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const BFloat16* A,
-                     const BFloat16* B, float* C, const SideJob& side = {}) {
+                     const BFloat16* B, float* C) {
   const char* a = reinterpret_cast<const char*>(A);
   const char* b = reinterpret_cast<const char*>(B);
   char* c = reinterpret_cast<char*>(C);
@@ -172,10 +158,10 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
       const char* am = a + m * la;
       char* cm = c + m * lc;
       switch (std::min<int64_t>(4, (M - m) / 16)) {
-        case 4: amx_block<4, 1>(K, am, la, b, lb, cm, lc, add, side); break;
-        case 3: amx_block<3, 1>(K, am, la, b, lb, cm, lc, add, side); break;
-        case 2: amx_block<2, 1>(K, am, la, b, lb, cm, lc, add, side); break;
-        default: amx_block<1, 1>(K, am, la, b, lb, cm, lc, add, side);
+        case 4: amx_block<4, 1>(K, am, la, b, lb, cm, lc, add); break;
+        case 3: amx_block<3, 1>(K, am, la, b, lb, cm, lc, add); break;
+        case 2: amx_block<2, 1>(K, am, la, b, lb, cm, lc, add); break;
+        default: amx_block<1, 1>(K, am, la, b, lb, cm, lc, add);
       }
     }
   } else if (M == 16) {  // wide: one A tile against up to 4 column tiles (P x V)
@@ -183,10 +169,10 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
       const char* bn = b + n * 4;
       char* cn = c + n * 4;
       switch (std::min<int64_t>(4, (N - n) / 16)) {
-        case 4: amx_block<1, 4>(K, a, la, bn, lb, cn, lc, add, side); break;
-        case 3: amx_block<1, 3>(K, a, la, bn, lb, cn, lc, add, side); break;
-        case 2: amx_block<1, 2>(K, a, la, bn, lb, cn, lc, add, side); break;
-        default: amx_block<1, 1>(K, a, la, bn, lb, cn, lc, add, side);
+        case 4: amx_block<1, 4>(K, a, la, bn, lb, cn, lc, add); break;
+        case 3: amx_block<1, 3>(K, a, la, bn, lb, cn, lc, add); break;
+        case 2: amx_block<1, 2>(K, a, la, bn, lb, cn, lc, add); break;
+        default: amx_block<1, 1>(K, a, la, bn, lb, cn, lc, add);
       }
     }
   } else {
@@ -196,14 +182,93 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, 
         const char* bn = b + n * 4;
         char* cmn = c + m * lc + n * 4;
         const bool two_m = M - m >= 32, two_n = N - n >= 32;
-        if (two_m && two_n) amx_block<2, 2>(K, am, la, bn, lb, cmn, lc, add, side);
-        else if (two_m) amx_block<2, 1>(K, am, la, bn, lb, cmn, lc, add, side);
-        else if (two_n) amx_block<1, 2>(K, am, la, bn, lb, cmn, lc, add, side);
-        else amx_block<1, 1>(K, am, la, bn, lb, cmn, lc, add, side);
+        if (two_m && two_n) amx_block<2, 2>(K, am, la, bn, lb, cmn, lc, add);
+        else if (two_m) amx_block<2, 1>(K, am, la, bn, lb, cmn, lc, add);
+        else if (two_n) amx_block<1, 2>(K, am, la, bn, lb, cmn, lc, add);
+        else amx_block<1, 1>(K, am, la, bn, lb, cmn, lc, add);
       }
     }
   }
   asm volatile("" ::: "memory");  // results stored by the tiles are read after this
+}
+
+// P x V with V read as stored (no VNNI repack). A bf16 tile product pairs adjacent k values, so
+// a tile loaded straight from 16 cache rows (16 keys x 32 columns) reads as 16 column pairs.
+// P is given twice, zero-interleaved: pe[m][2j] = P[m][j] and po[m][2j + 1] = P[m][j], zeros
+// elsewhere; against pe the tile gives the even columns of its 32, against po the odd ones.
+// Twice the tile products of a packed V and none of the packing, which is the better trade
+// when the products are short (few query rows).
+//   O' [M][L] (+=): each 32-column chunk holds its 16 even columns, then its 16 odd ones
+//                   (interleave_pairs restores the order); M a multiple of 16, L of 32
+//   pe, po [M][ldp] (elements): key group g (16 keys) at columns [32 g, 32 g + 32)
+//   v[g]: the first of key group g's 16 rows, rows ld_v elements apart
+inline void amx_pv_direct(int64_t M, int64_t L, int64_t groups, const BFloat16* pe, const BFloat16* po, int64_t ldp,
+                          const BFloat16* const* v, int64_t ld_v, float* O, int64_t ldo) {
+  const int64_t lp = 2 * ldp, lv = 2 * ld_v, lo = 4 * ldo;
+  asm volatile("" ::: "memory");
+  for (int64_t m = 0; m < M; m += 16) {
+    const char* ae = reinterpret_cast<const char*>(pe + m * ldp);
+    const char* ao = reinterpret_cast<const char*>(po + m * ldp);
+    for (int64_t c = 0; c < L; c += 64) {
+      const bool two = c + 64 <= L;  // two 32-column chunks (four output tiles) per pass
+      char* oc = reinterpret_cast<char*>(O + m * ldo + c);
+      _tile_loadd(0, oc, lo);
+      _tile_loadd(1, oc + 64, lo);
+      if (two) {
+        _tile_loadd(2, oc + 128, lo);
+        _tile_loadd(3, oc + 192, lo);
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const char* vg = reinterpret_cast<const char*>(v[g] + c);
+        _tile_loadd(4, ae + 64 * g, lp);
+        _tile_loadd(5, ao + 64 * g, lp);
+        _tile_loadd(6, vg, lv);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, vg + 64, lv);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, oc, lo);
+      _tile_stored(1, oc + 64, lo);
+      if (two) {
+        _tile_stored(2, oc + 128, lo);
+        _tile_stored(3, oc + 192, lo);
+      }
+    }
+  }
+  asm volatile("" ::: "memory");
+}
+
+// pe and po (see amx_pv_direct) from P [M][ld] (n columns, a multiple of 16).
+inline void zero_interleave(const BFloat16* P, int64_t ld, int64_t M, int64_t n, BFloat16* pe, BFloat16* po, int64_t ldp) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(P + m * ld);
+    uint32_t* e = reinterpret_cast<uint32_t*>(pe + m * ldp);
+    uint32_t* o = reinterpret_cast<uint32_t*>(po + m * ldp);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+      _mm512_storeu_si512(e + j, x);
+      _mm512_storeu_si512(o + j, _mm512_slli_epi32(x, 16));
+    }
+  }
+}
+
+// O' as amx_pv_direct leaves it back to plain column order, in place.
+inline void interleave_pairs(float* O, int64_t M, int64_t L, int64_t ldo) {
+  alignas(64) static const int32_t lo_idx[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t hi_idx[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < L; c += 32) {
+      float* p = O + m * ldo + c;
+      const __m512 e = _mm512_loadu_ps(p), o = _mm512_loadu_ps(p + 16);
+      _mm512_storeu_ps(p, _mm512_permutex2var_ps(e, vlo, o));
+      _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(e, vhi, o));
+    }
+  }
 }
 
 #endif  // OPENMLA_OWN_AMX

@@ -173,45 +173,10 @@ inline DecodePlan plan_decode(const DecodeArgs& a, bool inplace) {
   return plan;
 }
 
-// The next block's pack runs along the tile products when they are short: up to this many
-// query rows (a pair of rows per k step keeps memory busy); longer products measured slower.
-constexpr int64_t PACK_ALONG_MAX_ROWS = 32;
+// Up to this many query rows, bf16 decode on the own AMX kernel reads V straight from the pages
+// (amx_pv_direct: twice the tile products, no repack); above, the doubled products cost more.
+constexpr int64_t DIRECT_V_MAX_ROWS = 32;
 
-// Tile k steps of one block's products (scores and P x V, four output tiles per step).
-inline int64_t tile_steps(int64_t rows, int64_t M, int64_t D, int64_t L) {
-  const int64_t tdp = ceil_div(rows, 16) * ceil_div(M, 16) * ceil_div(D, 32) + ceil_div(M, 16) * ceil_div(L, 16) * ceil_div(rows, 32);
-  return std::max<int64_t>(1, tdp / 4);
-}
-
-// A block's V pack cut into row pairs, one pair every ``every`` calls, spread over ``steps``
-// calls (the rest by ``finish``).
-template <typename T>
-struct PackAlong {
-  const T* const* rows = nullptr;
-  int64_t K = 0, K_pad = 0, N = 0, tail = 0;
-  T* dst = nullptr;
-  int64_t k = 0, every = 1, count = 1;
-
-  PackAlong() = default;
-  PackAlong(const T* const* rows_, int64_t K_, int64_t N_, int64_t tail_, T* dst_, int64_t steps)
-      : rows(rows_), K(K_), K_pad(round_up(K_, 32)), N(N_), tail(tail_), dst(dst_) {
-    every = std::max<int64_t>(1, steps / std::max<int64_t>(1, K_pad / 2));
-    count = every;
-  }
-  void step() {
-    if (--count > 0 || k >= K_pad) return;
-    count = every;
-    pack_b_rows_range<T>(rows, K, k, k + 2, N, dst, tail);
-    k += 2;
-  }
-  void finish() {
-    if (k < K_pad) pack_b_rows_range<T>(rows, K, k, K_pad, N, dst, tail);
-    k = K_pad;
-  }
-  SideJob job() {
-    return SideJob{[](void* self) { static_cast<PackAlong*>(self)->step(); }, this};
-  }
-};
 
 template <typename T>
 struct DecodeKernel {
@@ -227,170 +192,246 @@ struct DecodeKernel {
     return a.sink ? a.sink[b * a.sink_stride + h] : std::numeric_limits<float>::quiet_NaN();
   }
 
+  // One unit's state: its query rows, their softmax statistics and accumulators, and the
+  // per-thread buffers of one key block.
+  struct Unit {
+    const DecodeUnit& u;
+    int64_t M, n_max;
+    bool own;       // products on the own AMX micro-kernel
+    T* QT;          // [D][M] Q^T, the B operand of the score product (VNNI pairs for bf16)
+    float* O;       // [M][L] accumulators
+    float *ref, *sum;
+    int32_t *c0, *c1;    // [M] visible block rows of each query row
+    int32_t *tlo, *thi;  // [nt] visible key positions of each token (dense)
+    float* S;            // [n_max][M] scores, keys-major
+    T *PT, *P;           // [n_max][M] and [M][n_max] probabilities
+    const T** rows;      // [n_max] a block's key rows
+  };
+
   void run(const DecodeUnit& u) const {
     const int64_t M = (int64_t)u.nt * u.nh, D = a.D, L = this->L();
-    constexpr int64_t BN = DECODE_BLOCK;
-    const int64_t n_max = plan.inplace ? std::max<int64_t>(round_up(plan.align, 32), round_up(BN, 32)) : BN;
-
+    const int64_t n_max = plan.inplace ? std::max<int64_t>(round_up(plan.align, 32), round_up(DECODE_BLOCK, 32)) : DECODE_BLOCK;
     // Products on the own AMX micro-kernel where the shapes allow (M, D, L in whole tiles; in
     // place, pages in whole tiles), else on brgemm.
-    const bool own = own_amx_unit(M);
+    Unit w{u, M, n_max, own_amx_unit(M)};
 #if defined(OPENMLA_OWN_AMX)
-    if (own) {
+    if (w.own) {
       amx_configure();
       own_amx_units().fetch_add(1, std::memory_order_relaxed);
     }
 #endif
-    PackAlong<T> next_pack;  // the next block's V pack, run between this block's tile products
-    SideJob side;
-    auto mm = [own, &side](int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add,
-                           const T* A, const T* B, float* C) {
-#if defined(OPENMLA_OWN_AMX)
-      if constexpr (std::is_same_v<T, BFloat16>) {
-        if (own) return amx_gemm(m, n, k, lda, ldb, ldc, add, A, B, C, side);
-      }
-#endif
-      gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
-    };
-
-    // Q^T as the B operand of the score GEMM: [D][M] (VNNI pairs for bf16).
-    T* QT = scratch<T>(S_QT, D * M);
+    w.QT = scratch<T>(S_QT, D * M);
     const T* q = static_cast<const T*>(a.q);
-    for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, QT, M, i * u.nh);
+    for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, w.QT, M, i * u.nh);
+    w.O = scratch<float>(S_ACC, M * L);
+    w.ref = scratch<float>(S_ROWS, 2 * M);
+    w.sum = w.ref + M;
+    std::fill(w.ref, w.ref + M, NEG_INF);
+    std::fill(w.sum, w.sum + M, 0.f);
+    w.c0 = scratch<int32_t>(S_PTRS, 2 * M + 2 * u.nt);
+    w.c1 = w.c0 + M;
+    w.tlo = w.c1 + M;
+    w.thi = w.tlo + u.nt;
+    w.S = scratch<float>(S_SCORES, round_up(n_max, 16) * M);
+    w.PT = scratch<T>(S_SCORES_T, n_max * M);
+    w.P = scratch<T>(S_PROBS, M * n_max);
+    w.rows = scratch<const T*>(S_KPACK, n_max);
 
-    float* O = scratch<float>(S_ACC, M * L);
-    float* rowf = scratch<float>(S_ROWS, 2 * M);
-    float *ref = rowf, *sum = rowf + M;
-    std::fill(ref, ref + M, NEG_INF);
-    std::fill(sum, sum + M, 0.f);
-    int32_t* cols = scratch<int32_t>(S_PTRS, 2 * M + 2 * u.nt);
-    int32_t *c0 = cols, *c1 = cols + M, *tlo = cols + 2 * M, *thi = tlo + u.nt;
-    float* S = scratch<float>(S_SCORES, round_up(n_max, 16) * M);
-    T* PT = scratch<T>(S_SCORES_T, n_max * M);
-    T* P = scratch<T>(S_PROBS, M * n_max);
-    T* const Vbase = scratch<T>(S_VPACK, 2 * n_max * L);  // two buffers: this block's V and the next one's
-    T* Vp = Vbase;
-    T* keys = scratch<T>(S_KEYS, round_up(n_max, 16) * D);
-    const T** vrows = scratch<const T*>(S_KPACK, 2 * n_max);
-
-    // One block of n rows (scores already in S [rows16][M]): softmax and P x V (V packed from
-    // vrows unless ``packed``).
-    auto finish_block = [&](int64_t rows, bool packed) {
-      const int64_t n_pad = round_up(rows, 32);
-      softmax_keys_major<T>(S, M, rows, n_pad, c0, c1, a.scale, ref, sum, O, L, L, PT, P);
-      if (!packed) pack_b_rows<T>(vrows, rows, n_pad, L, Vp);
-      mm(M, L, n_pad, n_pad, L, L, true, P, Vp, O);
-    };
-
-    if (a.sparse == nullptr) {
-      const int64_t b = u.b, c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
-      const int64_t i_first = u.t0 - a.offsets[b];
-      for (int64_t i = 0; i < u.nt; ++i) {
-        auto [lo, hi] = a.mask.key_range(c + i_first + i, c + i_first + i, kv_len);
-        tlo[i] = (int32_t)std::max(lo, u.k_lo);
-        thi[i] = (int32_t)std::min(hi, u.k_hi);
-      }
-      const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
-      const int64_t tail = (D - L) * (int64_t)sizeof(T);
-      auto block_rows = [&](const KeyBlock& kb, const T** rows) {  // cache rows of a block (null: not visible)
-        for (int64_t r = 0; r < kb.rows; ++r) {
-          const int64_t p = kb.base + r;
-          rows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
-        }
-      };
-      const bool pipelined = own && plan.inplace && M <= PACK_ALONG_MAX_ROWS;
-      int cur = 0;         // which V buffer holds this block
-      bool ready = false;  // packed already (along the previous block's products)
-      for (int64_t pos = u.k_lo; pos < u.k_hi;) {
-        const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
-        Vp = Vbase + cur * n_max * L;
-        side = SideJob{};
-        if (plan.inplace) {
-          // V is packed first: that pass streams the block's rows from memory (the rope columns
-          // prefetched alongside), so the score GEMM then reads them from cache. Pipelined, the
-          // next block's pack runs between this block's tile products instead.
-          if (!ready) {
-            block_rows(kb, vrows);
-            pack_b_rows<T>(vrows, kb.rows, round_up(kb.rows, 32), L, Vp, tail);
-          }
-          ready = false;
-          if (pipelined && kb.b < u.k_hi) {
-            const KeyBlock nb = next_block(plan, a.cache.page_size, kb.b, u.k_hi);
-            const T** nrows = vrows + n_max;
-            block_rows(nb, nrows);
-            next_pack = PackAlong<T>(nrows, nb.rows, L, tail, Vbase + (1 - cur) * n_max * L,
-                                     tile_steps(kb.rows, M, D, L));
-            side = next_pack.job();
-            ready = true;
-          }
-          const int64_t seg = std::min(a.cache.page_size, kb.rows);
-          for (int64_t r = 0; r < kb.rows; r += seg) {
-            if (kb.base + r + seg <= kb.a || kb.base + r >= kb.b) continue;  // no visible row in this page
-            const T* A = reinterpret_cast<const T*>(a.cache.logical(b, kb.base + r));
-            mm(seg, M, D, row_elems, M, M, false, A, QT, S + r * M);
-          }
-        } else {
-          const int64_t stored = a.cache.stored_bytes();
-          for (int64_t r = 0; r < kb.rows; ++r) {
-            if (r + PACK_AHEAD < kb.rows) prefetch_bytes(a.cache.logical(b, kb.base + r + PACK_AHEAD), stored);
-            a.cache.load<T>(a.cache.logical(b, kb.base + r), keys + r * D, 0, D);
-            vrows[r] = keys + r * D;
-          }
-          mm(round_up(kb.rows, 16), M, D, D, M, M, false, keys, QT, S);
-        }
-        for (int64_t i = 0; i < u.nt; ++i) {
-          const int32_t lo = (int32_t)std::max<int64_t>(tlo[i], kb.a) - (int32_t)kb.base;
-          const int32_t hi = (int32_t)std::min<int64_t>(thi[i], kb.b) - (int32_t)kb.base;
-          for (int64_t h = 0; h < u.nh; ++h) {
-            c0[i * u.nh + h] = lo;
-            c1[i * u.nh + h] = std::max(lo, hi);
-          }
-        }
-        finish_block(kb.rows, plan.inplace);
-        if (ready) {
-          next_pack.finish();
-          cur = 1 - cur;
-        }
-        pos = kb.b;
-      }
-      side = SideJob{};
+    if (a.sparse) {
+      walk_sparse(w);
     } else {
-      // Sparse: this token's valid listed keys, compacted, in blocks of BN.
-      const int64_t b = u.b, t = u.t0;
-      const int64_t c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
-      const int64_t p = c + (t - a.offsets[b]);
-      auto [lo, hi] = a.mask.key_range(p, p, kv_len);
-      const int32_t* idx = a.sparse + t * a.sparse_stride;
-      int64_t slot = u.k_lo;
-      while (slot < u.k_hi) {
-        int64_t n = 0;
-        for (; slot < u.k_hi && n < BN; ++slot) {
-          const int64_t e = idx[slot];
-          if (e < 0) continue;
-          const uint8_t* src;
-          if (a.physical) {
-            src = a.cache.phys(e);
-          } else {
-            if (e < lo || e >= hi) continue;
-            src = a.cache.logical(b, e);
-          }
-          a.cache.load<T>(src, keys + n * D, 0, D);
-          vrows[n] = keys + n * D;
-          ++n;
-        }
-        if (n == 0) continue;
-        for (int64_t m = 0; m < M; ++m) {
-          c0[m] = 0;
-          c1[m] = (int32_t)n;
-        }
-        mm(round_up(n, 16), M, D, D, M, M, false, keys, QT, S);
-        finish_block(n, false);
-      }
+      token_ranges(w);
+      if (direct_v(w)) walk_direct_v(w);
+      else walk_dense(w);
     }
 #if defined(OPENMLA_OWN_AMX)
-    if (own) amx_release();
+    if (w.own) amx_release();
 #endif
-    finish(u, O, ref, sum);
+    finish(u, w.O, w.ref, w.sum);
+  }
+
+  void mm(const Unit& w, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* A,
+          const T* B, float* C) const {
+#if defined(OPENMLA_OWN_AMX)
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (w.own) return amx_gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
+    }
+#endif
+    gemm(m, n, k, lda, ldb, ldc, add, A, B, C);
+  }
+
+  // Each token's visible key positions within the unit's range.
+  void token_ranges(Unit& w) const {
+    const DecodeUnit& u = w.u;
+    const int64_t c = a.cache_lens[u.b], kv_len = c + (a.offsets[u.b + 1] - a.offsets[u.b]);
+    const int64_t i_first = u.t0 - a.offsets[u.b];
+    for (int64_t i = 0; i < u.nt; ++i) {
+      auto [lo, hi] = a.mask.key_range(c + i_first + i, c + i_first + i, kv_len);
+      w.tlo[i] = (int32_t)std::max(lo, u.k_lo);
+      w.thi[i] = (int32_t)std::min(hi, u.k_hi);
+    }
+  }
+
+  // The block rows each query row sees.
+  void block_columns(Unit& w, const KeyBlock& kb) const {
+    const DecodeUnit& u = w.u;
+    for (int64_t i = 0; i < u.nt; ++i) {
+      const int32_t lo = (int32_t)std::max<int64_t>(w.tlo[i], kb.a) - (int32_t)kb.base;
+      const int32_t hi = (int32_t)std::min<int64_t>(w.thi[i], kb.b) - (int32_t)kb.base;
+      for (int64_t h = 0; h < u.nh; ++h) {
+        w.c0[i * u.nh + h] = lo;
+        w.c1[i * u.nh + h] = std::max(lo, hi);
+      }
+    }
+  }
+
+  // Scores of a block read in place, page by page (pages without a visible row skipped).
+  void score_pages(const Unit& w, const KeyBlock& kb) const {
+    const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
+    const int64_t seg = std::min(a.cache.page_size, kb.rows);
+    for (int64_t r = 0; r < kb.rows; r += seg) {
+      if (kb.base + r + seg <= kb.a || kb.base + r >= kb.b) continue;
+      const T* A = reinterpret_cast<const T*>(a.cache.logical(w.u.b, kb.base + r));
+      mm(w, seg, w.M, a.D, row_elems, w.M, w.M, false, A, w.QT, w.S + r * w.M);
+    }
+  }
+
+  // Softmax of a block's scores (S [rows][M]) into P [M][round_up(rows, 32)].
+  void softmax(Unit& w, int64_t rows) const {
+    softmax_keys_major<T>(w.S, w.M, rows, round_up(rows, 32), w.c0, w.c1, a.scale, w.ref, w.sum, w.O, L(), L(), w.PT, w.P);
+  }
+
+  // P x V with V packed from w.rows (VNNI pairs for bf16) unless ``packed`` already in Vp.
+  void pv_packed(Unit& w, int64_t rows, T* Vp, bool packed) const {
+    const int64_t n_pad = round_up(rows, 32);
+    if (!packed) pack_b_rows<T>(w.rows, rows, n_pad, L(), Vp);
+    mm(w, w.M, L(), n_pad, n_pad, L(), L(), true, w.P, Vp, w.O);
+  }
+
+  // Dense keys in blocks; pages read in place (bf16) or entries converted into a key buffer.
+  void walk_dense(Unit& w) const {
+    const DecodeUnit& u = w.u;
+    const int64_t D = a.D, L = this->L();
+    T* Vp = scratch<T>(S_VPACK, w.n_max * L);
+    T* keys = scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
+    for (int64_t pos = u.k_lo; pos < u.k_hi;) {
+      const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
+      if (plan.inplace) {
+        // V is packed first: that pass streams the block's rows from memory (the rope columns
+        // prefetched alongside), so the score product then reads them from cache.
+        block_rows(u.b, kb, w.rows);
+        pack_b_rows<T>(w.rows, kb.rows, round_up(kb.rows, 32), L, Vp, (D - L) * (int64_t)sizeof(T));
+        score_pages(w, kb);
+      } else {
+        const int64_t stored = a.cache.stored_bytes();
+        for (int64_t r = 0; r < kb.rows; ++r) {
+          if (r + PACK_AHEAD < kb.rows) prefetch_bytes(a.cache.logical(u.b, kb.base + r + PACK_AHEAD), stored);
+          a.cache.load<T>(a.cache.logical(u.b, kb.base + r), keys + r * D, 0, D);
+          w.rows[r] = keys + r * D;
+        }
+        mm(w, round_up(kb.rows, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
+      }
+      block_columns(w, kb);
+      softmax(w, kb.rows);
+      pv_packed(w, kb.rows, Vp, plan.inplace);
+      pos = kb.b;
+    }
+  }
+
+  // Sparse: this token's valid listed keys, compacted, in blocks.
+  void walk_sparse(Unit& w) const {
+    const DecodeUnit& u = w.u;
+    const int64_t D = a.D, b = u.b, t = u.t0;
+    T* Vp = scratch<T>(S_VPACK, w.n_max * L());
+    T* keys = scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
+    const int64_t c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
+    const int64_t p = c + (t - a.offsets[b]);
+    auto [lo, hi] = a.mask.key_range(p, p, kv_len);
+    const int32_t* idx = a.sparse + t * a.sparse_stride;
+    int64_t slot = u.k_lo;
+    while (slot < u.k_hi) {
+      int64_t n = 0;
+      for (; slot < u.k_hi && n < DECODE_BLOCK; ++slot) {
+        const int64_t e = idx[slot];
+        if (e < 0) continue;
+        const uint8_t* src;
+        if (a.physical) {
+          src = a.cache.phys(e);
+        } else {
+          if (e < lo || e >= hi) continue;
+          src = a.cache.logical(b, e);
+        }
+        a.cache.load<T>(src, keys + n * D, 0, D);
+        w.rows[n] = keys + n * D;
+        ++n;
+      }
+      if (n == 0) continue;
+      std::fill(w.c0, w.c0 + w.M, 0);
+      std::fill(w.c1, w.c1 + w.M, (int32_t)n);
+      mm(w, round_up(n, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
+      softmax(w, n);
+      pv_packed(w, n, Vp, false);
+    }
+  }
+
+  // A block's cache rows (null where not visible).
+  void block_rows(int64_t b, const KeyBlock& kb, const T** rows) const {
+    for (int64_t r = 0; r < kb.rows; ++r) {
+      const int64_t p = kb.base + r;
+      rows[r] = (p >= kb.a && p < kb.b) ? reinterpret_cast<const T*>(a.cache.logical(b, p)) : nullptr;
+    }
+  }
+
+  // Whether a dense unit reads V straight from the pages (bf16 in place on the own kernel, few
+  // query rows, whole 32-column chunks).
+  bool direct_v(const Unit& w) const {
+    return std::is_same_v<T, BFloat16> && w.own && plan.inplace && w.M <= DIRECT_V_MAX_ROWS && L() % 32 == 0;
+  }
+
+  // Dense keys with V read in place (amx_pv_direct): per block the scores (cache rows as A
+  // tiles), the softmax, P zero-interleaved, P x V; no copy of V except the (at most two) key
+  // groups of 16 that the block only partly sees, staged with zeros for the rest.
+  void walk_direct_v(Unit& w) const {
+#if defined(OPENMLA_OWN_AMX)
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      const DecodeUnit& u = w.u;
+      const int64_t M = w.M, L = this->L();
+      const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
+      const int64_t ldp = 2 * round_up(w.n_max, 32);
+      T* pe = scratch<T>(S_VPACK, 2 * M * ldp);
+      T* po = pe + M * ldp;
+      T* stage = scratch<T>(S_KEYS, 2 * 16 * row_elems);
+      const T** groups = w.rows;  // first row of each key group of 16
+      for (int64_t pos = u.k_lo; pos < u.k_hi;) {
+        const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
+        score_pages(w, kb);
+        block_columns(w, kb);
+        softmax(w, kb.rows);
+        const int64_t g0 = (kb.a - kb.base) / 16, g1 = ceil_div(kb.b - kb.base, 16);
+        zero_interleave(w.P + 16 * g0, round_up(kb.rows, 32), M, 16 * (g1 - g0), pe + 32 * g0, po + 32 * g0, ldp);
+        int64_t staged = 0;
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t p0 = kb.base + 16 * g;
+          if (p0 >= kb.a && p0 + 16 <= kb.b) {
+            groups[g] = reinterpret_cast<const T*>(a.cache.logical(u.b, p0));
+            continue;
+          }
+          T* st = stage + (staged++) * 16 * row_elems;
+          for (int64_t r = 0; r < 16; ++r) {
+            const int64_t p = p0 + r;
+            if (p >= kb.a && p < kb.b) std::memcpy(st + r * row_elems, a.cache.logical(u.b, p), L * sizeof(T));
+            else zero_fill(st + r * row_elems, L * sizeof(T));
+          }
+          groups[g] = st;
+        }
+        amx_pv_direct(M, L, g1 - g0, pe + 32 * g0, po + 32 * g0, ldp, groups + g0, row_elems, w.O, L);
+        pos = kb.b;
+      }
+      interleave_pairs(w.O, M, L, L);
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "openmla cpu: V read in place needs the own AMX kernel");
   }
 
   bool own_amx_unit(int64_t M) const {
