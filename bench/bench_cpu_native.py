@@ -26,7 +26,9 @@ Roofline time = max(FLOPs / bf16 2048^3 matmul rate, KV bytes / copy bandwidth),
 in this run (copy bandwidth: bytes read plus written by a 256 MiB ``copy_``); FLOPs are the work
 the step needs (causal half; decode 2*H*(576+512) per key and query, prefill adds the
 up-projection). Every timed function runs round-robin in a shuffled order, ``--reps`` rounds;
-fractions use medians (and best rounds, in brackets).
+fractions use medians (and best rounds, in brackets). The host under this box is shared and its
+speed drifts within seconds, so a third figure, ``paired``, takes each round's fraction against
+that same round's probes and reports their median.
 
 Two timings per run: wall time with ``--threads`` threads, and single-thread CPU time
 (``time.thread_time`` with ``torch.set_num_threads(1)``), which holds when other processes share
@@ -293,6 +295,10 @@ def measure(workloads: dict, reps: int, clock, threads: int) -> dict:
                 roof = max(flops / c["matmul_flops"], kv_bytes / c["copy_bytes_per_s"])
                 row[f"{stat}_ms"] = f(t) * 1e3
                 row[f"{stat}_of_roofline"] = roof / f(t)
+            row["times_ms"] = [round(x * 1e3, 3) for x in t]
+            row["paired_of_roofline"] = statistics.median(
+                max(flops * tm / (2 * 2048**3), kv_bytes * tc / (2 * (256 << 20))) / ti
+                for ti, tm, tc in zip(t, times["matmul"], times["copy"]))
             out["rows"].append(row)
     return out
 
@@ -319,12 +325,12 @@ def machine() -> dict:
 def print_table(title: str, res: dict) -> None:
     c = res["ceilings"]["median"]
     print(f"\n{title}: matmul {c['matmul_flops'] / 1e9:.0f} GFLOP/s, copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s (medians)")
-    print(f"{'shape':22s} {'impl':6s} {'ms':>9s} {'best ms':>9s} {'of roofline':>12s} {'vs cpu':>7s}")
+    print(f"{'shape':22s} {'impl':6s} {'ms':>9s} {'best ms':>9s} {'of roofline':>12s} {'paired':>6s} {'vs cpu':>7s}")
     cpu = {r["shape"]: r["median_ms"] for r in res["rows"] if r["impl"] == "cpu"}
     for r in res["rows"]:
         vs = f"{r['median_ms'] / cpu[r['shape']]:.2f}x" if r["shape"] in cpu else ""
         print(f"{r['shape']:22s} {r['impl']:6s} {r['median_ms']:9.2f} {r['best_ms']:9.2f} "
-              f"{r['median_of_roofline']:6.2f} ({r['best_of_roofline']:.2f}) {vs:>7s}")
+              f"{r['median_of_roofline']:6.2f} ({r['best_of_roofline']:.2f}) {r['paired_of_roofline']:6.2f} {vs:>7s}")
 
 
 def main() -> None:
