@@ -14,7 +14,9 @@ Shapes (DeepSeek dims: L=512, R=64, Dn=128, Dv=128; bf16):
   the cache). ``--absorb`` runs only these.
 
 Implementations, all on the same inputs in the same run:
-- ``cpu``: openmla's native backend; ``torch``: openmla's pure-PyTorch backend;
+- ``cpu``: openmla's native backend (decode: the one-shot ``flare_mla_decode``, which validates
+  and plans on every call; ``cpu/layer``: ``plan.decode`` on a plan made once, as an engine runs
+  each layer of a step); ``torch``: openmla's pure-PyTorch backend;
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (its flash kernel), with the
   page gather included: decode with v = k (576 wide, MQA via ``enable_gqa``, the first 512
   outputs kept), prefill with the gather, the up-projection and v padded to 192;
@@ -86,8 +88,10 @@ def decode_fns(B: int, S: int, H: int, page_size: int, flex: bool, log) -> tuple
     cfg, batch, q = decode_inputs(B, S, H, page_size)
     scale = cfg.softmax_scale
     n = S + 1
+    step = openmla.plan(batch, scale=scale, backend="cpu")  # an engine plans once per step, for every layer
     fns: dict[str, Callable[[], object]] = {
         "cpu": lambda: openmla.flare_mla_decode(q, batch, 0, scale=scale, kv_lora_rank=L, backend="cpu"),
+        "cpu/layer": lambda: step.decode(q, 0, kv_lora_rank=L),
         "torch": lambda: openmla.flare_mla_decode(q, batch, 0, scale=scale, kv_lora_rank=L, backend="torch"),
     }
     layer = batch.blocks[0]  # [pages, ps, 576]
@@ -325,11 +329,11 @@ def machine() -> dict:
 def print_table(title: str, res: dict) -> None:
     c = res["ceilings"]["median"]
     print(f"\n{title}: matmul {c['matmul_flops'] / 1e9:.0f} GFLOP/s, copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s (medians)")
-    print(f"{'shape':22s} {'impl':6s} {'ms':>9s} {'best ms':>9s} {'of roofline':>12s} {'paired':>6s} {'vs cpu':>7s}")
+    print(f"{'shape':22s} {'impl':9s} {'ms':>9s} {'best ms':>9s} {'of roofline':>12s} {'paired':>6s} {'vs cpu':>7s}")
     cpu = {r["shape"]: r["median_ms"] for r in res["rows"] if r["impl"] == "cpu"}
     for r in res["rows"]:
         vs = f"{r['median_ms'] / cpu[r['shape']]:.2f}x" if r["shape"] in cpu else ""
-        print(f"{r['shape']:22s} {r['impl']:6s} {r['median_ms']:9.2f} {r['best_ms']:9.2f} "
+        print(f"{r['shape']:22s} {r['impl']:9s} {r['median_ms']:9.2f} {r['best_ms']:9.2f} "
               f"{r['median_of_roofline']:6.2f} ({r['best_of_roofline']:.2f}) {r['paired_of_roofline']:6.2f} {vs:>7s}")
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -120,6 +121,82 @@ def test_metadata_edited_after_planning_never_reaches_kernels():
     assert_close(got, want, 0.0, "out", case.seed)
     with pytest.raises(ValueError, match="kv_collection.block_table"):  # a new plan validates the edit
         openmla.plan(a.batch, scale=case.scale)
+
+
+# The one-shot ops keep their plan on the batch (checks once per metadata object) ------------
+ops_module = importlib.import_module("openmla.ops")
+
+
+def _one_shot(case, q_abs, batch=None, backend="torch", **kw):
+    return openmla.flare_mla_decode(q_abs, case.batch if batch is None else batch, case.layer_idx, scale=case.scale,
+                                    kv_lora_rank=case.config.kv_lora_rank, backend=backend, **kw)
+
+
+def _fresh(batch):
+    """The same view as a new object with its own metadata copies (nothing kept on it)."""
+    return dataclasses.replace(batch, block_table=batch.block_table.clone(), cache_lengths=batch.cache_lengths.clone(),
+                               input_row_offsets=batch.input_row_offsets.clone(), _host={})
+
+
+def _q_abs(case):
+    g = torch.Generator().manual_seed(case.seed + 1)
+    cfg = case.config
+    return torch.randn(case.q.shape[0], cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g)
+
+
+def test_one_shot_ops_plan_once_per_batch_and_options(monkeypatch):
+    case = make_case([5, 0, 17], [1, 2, 1], page_size=4)
+    made = []
+    real = ops_module.plan
+    monkeypatch.setattr(ops_module, "plan", lambda *a, **k: made.append(k) or real(*a, **k))
+    q = _q_abs(case)
+    outs = [_one_shot(case, q) for _ in range(3)]  # three layers of one step
+    assert len(made) == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    _one_shot(case, q, num_partitions=2)  # other options: another plan, the first one kept too
+    _one_shot(case, q)
+    assert len(made) == 2
+    sink = torch.zeros(case.config.num_heads)
+    _one_shot(case, q, attn_sink=sink)
+    _one_shot(case, q, attn_sink=sink)  # tensor options: planned on every call
+    assert len(made) == 4
+    want = _one_shot(case, q, batch=_fresh(case.batch), backend="reference")
+    assert_close(outs[0], want, TOL[torch.float32], "out", case.seed)
+
+
+@pytest.mark.parametrize("how", ["numpy view", "torch in place"])
+def test_one_shot_ops_follow_metadata_edited_in_place(how):
+    """An edit that bumps no version counter (a numpy view) still reaches the next call."""
+    case = make_case([5, 9, 17], [1, 1, 1], page_size=4, spare_pages=3)
+    b = case.batch
+    q = _q_abs(case)
+    before = _one_shot(case, q)
+    table, lens = (b.block_table.numpy(), b.cache_lengths.numpy()) if how == "numpy view" else (b.block_table, b.cache_lengths)
+    first, second = int(table[2, 0]), int(table[2, 1])
+    table[2, 0], table[2, 1] = second, first  # sequence 2 reads its first two pages swapped
+    lens[1] -= 6  # and sequence 1 sees 6 keys fewer
+    got = _one_shot(case, q)
+    want = _one_shot(case, q, batch=_fresh(b), backend="reference")
+    assert_close(got, want, TOL[torch.float32], "out", case.seed)
+    assert not torch.allclose(got[1:], before[1:])
+    table[0, 0] = 10**6  # a bad edit is validated again
+    with pytest.raises(ValueError, match="kv_collection.block_table"):
+        _one_shot(case, q)
+
+
+def test_one_shot_ops_follow_other_storage():
+    """Batches sharing their host cache (``with_blocks``) or storage reassigned: each call reads its own."""
+    case = make_case([7, 12], [1, 1], page_size=4)
+    b = case.batch
+    other = torch.randn_like(b.blocks)
+    b2 = b.with_blocks(other)  # shares b's host cache
+    q = _q_abs(case)
+    for batch in (b, b2, b, b2):
+        want = _one_shot(case, q, batch=_fresh(batch), backend="reference")
+        assert_close(_one_shot(case, q, batch=batch), want, TOL[torch.float32], "out", case.seed)
+    b.blocks = other
+    assert_close(_one_shot(case, q), _one_shot(case, q, batch=_fresh(b), backend="reference"), TOL[torch.float32], "out",
+                 case.seed)
 
 
 def test_per_layer_checks_name_the_argument_and_write_nothing():
