@@ -7,8 +7,9 @@ layers, B sequences of 16 cached tokens and one new token each: the attention wo
 tiny, so the step time is mostly host work (argument checks, planning, op dispatch).
 
 Two ways to run the same step:
-- ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (every call validates and
-  plans again: what a model built on the seed-named ops does);
+- ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (what a model built on the
+  seed-named ops does: the first call validates and plans, the next ones find the plan kept on
+  the batch and compare its metadata by value);
 - ``plan``: ``openmla.plan(batch, ...)`` once, then ``plan.run(...)`` per layer (skipped when the
   installed openmla has no ``plan``; the script runs against older checkouts too);
 - ``plan+combine``: the same with ``openmla.combine``'s absorb/unabsorb (one ``torch.bmm`` each)
@@ -114,7 +115,8 @@ def null_backend(enabled: bool) -> None:
 
     real = getattr(backends, "_real_load", backends.load_backend)
     backends._real_load = real
-    backends.load_backend = (lambda name: NullBackend()) if enabled else real
+    null = NullBackend()  # one instance: the seed-named ops keep their plan per backend
+    backends.load_backend = (lambda name: null) if enabled else real
     for mod in ("openmla.ops", "openmla.planning"):  # modules that imported the name
         if mod in sys.modules and hasattr(sys.modules[mod], "load_backend"):
             sys.modules[mod].load_backend = backends.load_backend

@@ -13,13 +13,13 @@ Step options (``mask``, ``window_size``, ``chunk_size``, ``sparse_indices``, ``t
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal, NamedTuple, TypedDict, overload
 
 import torch
 from typing_extensions import Unpack
 
 from . import combine
+from .backends import load_backend, resolve_backend_name
 from .cache import CacheBatch
 from .masks import MaskVariant
 from .planning import DECODE_MAX_Q_LEN, MLAPlan, MlaConfigV2, chunk_plan, plan
@@ -89,10 +89,11 @@ def _step(kv_collection: object, scale: object, options: dict) -> MLAPlan:
     if (not isinstance(kv_collection, CacheBatch) or torch.compiler.is_compiling()
             or any(options.get(k) is not None for k in _TENSOR_OPTIONS)):
         return plan(kv_collection, scale=scale, **options)
-    try:
-        key = (scale, os.environ.get("OPENMLA_BACKEND"), tuple(sorted(options.items())))
+    try:  # the backend as resolved now (OPENMLA_BACKEND, device), so a change of either plans again
+        be = load_backend(resolve_backend_name(options.get("backend"), kv_collection.blocks.device))
+        key = (scale, be, tuple(sorted(options.items())))
         hash(key)
-    except TypeError:  # an unhashable option: plan() names it
+    except (AttributeError, TypeError, ValueError):  # a bad option or batch: plan() names it
         return plan(kv_collection, scale=scale, **options)
     kept = kv_collection._host.setdefault("plans", {})
     hit = kept.get(key)
