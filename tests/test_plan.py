@@ -164,6 +164,18 @@ def test_one_shot_ops_plan_once_per_batch_and_options(monkeypatch):
     assert_close(outs[0], want, TOL[torch.float32], "out", case.seed)
 
 
+def test_one_shot_ops_follow_the_backend_choice(monkeypatch):
+    case = make_case([5, 3], [1, 1], page_size=4)
+    made = []
+    real = ops_module.plan
+    monkeypatch.setattr(ops_module, "plan", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    q = _q_abs(case)
+    for name in ("torch", "torch", "reference", "reference", "torch"):
+        monkeypatch.setenv("OPENMLA_BACKEND", name)
+        _one_shot(case, q, backend=None)
+    assert [p.backend_name for p in made] == ["torch", "reference"]  # the torch plan was kept
+
+
 @pytest.mark.parametrize("how", ["numpy view", "torch in place"])
 def test_one_shot_ops_follow_metadata_edited_in_place(how):
     """An edit that bumps no version counter (a numpy view) still reaches the next call."""
