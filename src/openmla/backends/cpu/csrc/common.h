@@ -44,7 +44,7 @@ inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 // Per-thread scratch ------------------------------------------------------------------
 // Named slots of 64-byte aligned memory, grown on demand and kept across calls (a fresh
 // allocation per block would page-fault on every touch). Contents are undefined on entry.
-enum Slot { S_QT, S_SCORES, S_SCORES_T, S_PROBS, S_VPACK, S_KPACK, S_KEYS, S_ACC, S_ROWS, S_PTRS, NUM_SLOTS };
+enum Slot { S_QT, S_SCORES, S_SCORES_T, S_PROBS, S_VPACK, S_KPACK, S_KEYS, S_STAGE, S_ACC, S_ROWS, S_PTRS, NUM_SLOTS };
 
 struct ThreadScratch {
   void* ptr[NUM_SLOTS] = {};

@@ -198,6 +198,7 @@ struct DecodeKernel {
     const DecodeUnit& u;
     int64_t M, n_max;
     bool own;       // products on the own AMX micro-kernel
+    bool direct;    // P x V reads V rows as they are (amx_pv_direct), O in even/odd chunk order
     T* QT;          // [D][M] Q^T, the B operand of the score product (VNNI pairs for bf16)
     float* O;       // [M][L] accumulators
     float *ref, *sum;
@@ -237,14 +238,15 @@ struct DecodeKernel {
     w.P = scratch<T>(S_PROBS, M * n_max);
     w.rows = scratch<const T*>(S_KPACK, n_max);
 
+    w.direct = direct_v(w);
     if (a.sparse) {
       walk_sparse(w);
     } else {
       token_ranges(w);
-      if (direct_v(w)) walk_direct_v(w);
-      else walk_dense(w);
+      walk_dense(w);
     }
 #if defined(OPENMLA_OWN_AMX)
+    if (w.direct) interleave_pairs(w.O, M, L, L);
     if (w.own) amx_release();
 #endif
     finish(u, w.O, w.ref, w.sum);
@@ -312,15 +314,17 @@ struct DecodeKernel {
   void walk_dense(Unit& w) const {
     const DecodeUnit& u = w.u;
     const int64_t D = a.D, L = this->L();
-    T* Vp = scratch<T>(S_VPACK, w.n_max * L);
+    T* Vp = w.direct ? nullptr : scratch<T>(S_VPACK, w.n_max * L);
     T* keys = scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
     for (int64_t pos = u.k_lo; pos < u.k_hi;) {
       const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
       if (plan.inplace) {
-        // V is packed first: that pass streams the block's rows from memory (the rope columns
+        // Packed, V first: that pass streams the block's rows from memory (the rope columns
         // prefetched alongside), so the score product then reads them from cache.
-        block_rows(u.b, kb, w.rows);
-        pack_b_rows<T>(w.rows, kb.rows, round_up(kb.rows, 32), L, Vp, (D - L) * (int64_t)sizeof(T));
+        if (!w.direct) {
+          block_rows(u.b, kb, w.rows);
+          pack_b_rows<T>(w.rows, kb.rows, round_up(kb.rows, 32), L, Vp, (D - L) * (int64_t)sizeof(T));
+        }
         score_pages(w, kb);
       } else {
         const int64_t stored = a.cache.stored_bytes();
@@ -333,7 +337,9 @@ struct DecodeKernel {
       }
       block_columns(w, kb);
       softmax(w, kb.rows);
-      pv_packed(w, kb.rows, Vp, plan.inplace);
+      if (!w.direct) pv_packed(w, kb.rows, Vp, plan.inplace);
+      else if (plan.inplace) pv_pages(w, kb);
+      else pv_buffer(w, keys, kb.rows);
       pos = kb.b;
     }
   }
@@ -342,7 +348,7 @@ struct DecodeKernel {
   void walk_sparse(Unit& w) const {
     const DecodeUnit& u = w.u;
     const int64_t D = a.D, b = u.b, t = u.t0;
-    T* Vp = scratch<T>(S_VPACK, w.n_max * L());
+    T* Vp = w.direct ? nullptr : scratch<T>(S_VPACK, w.n_max * L());
     T* keys = scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
     const int64_t c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
     const int64_t p = c + (t - a.offsets[b]);
@@ -370,7 +376,8 @@ struct DecodeKernel {
       std::fill(w.c1, w.c1 + w.M, (int32_t)n);
       mm(w, round_up(n, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
       softmax(w, n);
-      pv_packed(w, n, Vp, false);
+      if (w.direct) pv_buffer(w, keys, n);
+      else pv_packed(w, n, Vp, false);
     }
   }
 
@@ -382,56 +389,60 @@ struct DecodeKernel {
     }
   }
 
-  // Whether a dense unit reads V straight from the pages (bf16 in place on the own kernel, few
-  // query rows, whole 32-column chunks).
+  // Whether P x V reads V rows as they are (bf16 on the own kernel, few query rows, whole
+  // 32-column chunks): from the pages in place, or from the key buffer entries were converted to.
   bool direct_v(const Unit& w) const {
-    return std::is_same_v<T, BFloat16> && w.own && plan.inplace && w.M <= DIRECT_V_MAX_ROWS && L() % 32 == 0;
+    return std::is_same_v<T, BFloat16> && w.own && w.M <= DIRECT_V_MAX_ROWS && L() % 32 == 0;
   }
 
-  // Dense keys with V read in place (amx_pv_direct): per block the scores (cache rows as A
-  // tiles), the softmax, P zero-interleaved, P x V; no copy of V except the (at most two) key
-  // groups of 16 that the block only partly sees, staged with zeros for the rest.
-  void walk_direct_v(Unit& w) const {
+  // P x V over a block's key groups of 16 (group g's first row at groups[g], rows ld_v apart):
+  // P zero-interleaved into pe / po, then amx_pv_direct.
+  void pv_direct(Unit& w, int64_t rows, int64_t g0, int64_t g1, const T* const* groups, int64_t ld_v) const {
 #if defined(OPENMLA_OWN_AMX)
     if constexpr (std::is_same_v<T, BFloat16>) {
-      const DecodeUnit& u = w.u;
-      const int64_t M = w.M, L = this->L();
-      const int64_t row_elems = a.cache.row_stride / (int64_t)sizeof(T);
       const int64_t ldp = 2 * round_up(w.n_max, 32);
-      T* pe = scratch<T>(S_VPACK, 2 * M * ldp);
-      T* po = pe + M * ldp;
-      T* stage = scratch<T>(S_KEYS, 2 * 16 * row_elems);
-      const T** groups = w.rows;  // first row of each key group of 16
-      for (int64_t pos = u.k_lo; pos < u.k_hi;) {
-        const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
-        score_pages(w, kb);
-        block_columns(w, kb);
-        softmax(w, kb.rows);
-        const int64_t g0 = (kb.a - kb.base) / 16, g1 = ceil_div(kb.b - kb.base, 16);
-        zero_interleave(w.P + 16 * g0, round_up(kb.rows, 32), M, 16 * (g1 - g0), pe + 32 * g0, po + 32 * g0, ldp);
-        int64_t staged = 0;
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t p0 = kb.base + 16 * g;
-          if (p0 >= kb.a && p0 + 16 <= kb.b) {
-            groups[g] = reinterpret_cast<const T*>(a.cache.logical(u.b, p0));
-            continue;
-          }
-          T* st = stage + (staged++) * 16 * row_elems;
-          for (int64_t r = 0; r < 16; ++r) {
-            const int64_t p = p0 + r;
-            if (p >= kb.a && p < kb.b) std::memcpy(st + r * row_elems, a.cache.logical(u.b, p), L * sizeof(T));
-            else zero_fill(st + r * row_elems, L * sizeof(T));
-          }
-          groups[g] = st;
-        }
-        amx_pv_direct(M, L, g1 - g0, pe + 32 * g0, po + 32 * g0, ldp, groups + g0, row_elems, w.O, L);
-        pos = kb.b;
-      }
-      interleave_pairs(w.O, M, L, L);
+      T* pe = scratch<T>(S_VPACK, 2 * w.M * ldp);
+      T* po = pe + w.M * ldp;
+      zero_interleave(w.P + 16 * g0, round_up(rows, 32), w.M, 16 * (g1 - g0), pe + 32 * g0, po + 32 * g0, ldp);
+      amx_pv_direct(w.M, L(), g1 - g0, pe + 32 * g0, po + 32 * g0, ldp, groups + g0, ld_v, w.O, L());
       return;
     }
 #endif
     TORCH_CHECK(false, "openmla cpu: V read in place needs the own AMX kernel");
+  }
+
+  // V in place: whole key groups straight from the pages, the (at most two) groups the block
+  // only partly sees staged with zeros for the rest (unwritten rows may hold anything).
+  void pv_pages(Unit& w, const KeyBlock& kb) const {
+    const int64_t L = this->L(), row_elems = a.cache.row_stride / (int64_t)sizeof(T);
+    T* stage = scratch<T>(S_STAGE, 2 * 16 * row_elems);
+    const T** groups = w.rows;
+    const int64_t g0 = (kb.a - kb.base) / 16, g1 = ceil_div(kb.b - kb.base, 16);
+    int64_t staged = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = kb.base + 16 * g;
+      if (p0 >= kb.a && p0 + 16 <= kb.b) {
+        groups[g] = reinterpret_cast<const T*>(a.cache.logical(w.u.b, p0));
+        continue;
+      }
+      T* st = stage + (staged++) * 16 * row_elems;
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t p = p0 + r;
+        if (p >= kb.a && p < kb.b) std::memcpy(st + r * row_elems, a.cache.logical(w.u.b, p), L * sizeof(T));
+        else zero_fill(st + r * row_elems, L * sizeof(T));
+      }
+      groups[g] = st;
+    }
+    pv_direct(w, kb.rows, g0, g1, groups, row_elems);
+  }
+
+  // V from the key buffer (n rows of D, every one visible); rows up to the next 16 zeroed.
+  void pv_buffer(Unit& w, T* keys, int64_t n) const {
+    const int64_t D = a.D, n16 = round_up(n, 16);
+    zero_fill(keys + n * D, (n16 - n) * D * sizeof(T));
+    const T** groups = w.rows;
+    for (int64_t g = 0; g < n16 / 16; ++g) groups[g] = keys + 16 * g * D;
+    pv_direct(w, n, 0, n16 / 16, groups, D);
   }
 
   bool own_amx_unit(int64_t M) const {
