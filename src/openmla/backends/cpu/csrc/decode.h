@@ -173,8 +173,9 @@ inline DecodePlan plan_decode(const DecodeArgs& a, bool inplace) {
   return plan;
 }
 
-// Up to this many query rows, bf16 decode on the own AMX kernel reads V straight from the pages
-// (amx_pv_direct: twice the tile products, no repack); above, the doubled products cost more.
+// Up to this many query rows, bf16 decode on the own AMX kernel reads V as stored, from the pages
+// or the key buffer (amx_pv_direct: twice the tile products, no repack); above, the doubled
+// products cost more.
 constexpr int64_t DIRECT_V_MAX_ROWS = 32;
 
 
