@@ -117,7 +117,7 @@ def null_backend(enabled: bool) -> None:
     backends._real_load = real
     null = NullBackend()  # one instance: the seed-named ops keep their plan per backend
     backends.load_backend = (lambda name: null) if enabled else real
-    for mod in ("openmla.ops", "openmla.planning"):  # modules that imported the name
+    for mod in ("openmla.ops", "openmla.planning", "openmla.kept_plans"):  # modules that imported the name
         if mod in sys.modules and hasattr(sys.modules[mod], "load_backend"):
             sys.modules[mod].load_backend = backends.load_backend
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 
 import openmla
 from openmla import LatentAttention, PagedLatentCache, combine
-from openmla import custom_ops
+from openmla import custom_ops, kept_plans
 from openmla.config import MLAConfig
 
 from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
@@ -124,7 +123,6 @@ def test_metadata_edited_after_planning_never_reaches_kernels():
 
 
 # The one-shot ops keep their plan on the batch (checks once per metadata object) ------------
-ops_module = importlib.import_module("openmla.ops")
 
 
 def _one_shot(case, q_abs, batch=None, backend="torch", **kw):
@@ -147,8 +145,8 @@ def _q_abs(case):
 def test_one_shot_ops_plan_once_per_batch_and_options(monkeypatch):
     case = make_case([5, 0, 17], [1, 2, 1], page_size=4)
     made = []
-    real = ops_module.plan
-    monkeypatch.setattr(ops_module, "plan", lambda *a, **k: made.append(k) or real(*a, **k))
+    real = kept_plans.plan
+    monkeypatch.setattr(kept_plans, "plan", lambda *a, **k: made.append(k) or real(*a, **k))
     q = _q_abs(case)
     outs = [_one_shot(case, q) for _ in range(3)]  # three layers of one step
     assert len(made) == 1
@@ -167,8 +165,8 @@ def test_one_shot_ops_plan_once_per_batch_and_options(monkeypatch):
 def test_one_shot_ops_follow_the_backend_choice(monkeypatch):
     case = make_case([5, 3], [1, 1], page_size=4)
     made = []
-    real = ops_module.plan
-    monkeypatch.setattr(ops_module, "plan", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    real = kept_plans.plan
+    monkeypatch.setattr(kept_plans, "plan", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     q = _q_abs(case)
     for name in ("torch", "torch", "reference", "reference", "torch"):
         monkeypatch.setenv("OPENMLA_BACKEND", name)

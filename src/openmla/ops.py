@@ -12,17 +12,16 @@ Step options (``mask``, ``window_size``, ``chunk_size``, ``sparse_indices``, ``t
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, NamedTuple, TypedDict, overload
+from typing import Literal, TypedDict, overload
 
 import torch
 from typing_extensions import Unpack
 
 from . import combine
-from .backends import load_backend, resolve_backend_name
 from .cache import CacheBatch
+from .kept_plans import kept_plan
 from .masks import MaskVariant
-from .planning import DECODE_MAX_Q_LEN, MLAPlan, MlaConfigV2, chunk_plan, plan
+from .planning import DECODE_MAX_Q_LEN, MlaConfigV2, chunk_plan
 from .validate import FLOAT_DTYPES, check_int, check_offsets, check_tensor, snapshot_batch
 
 __all__ = [
@@ -51,63 +50,6 @@ class StepOptions(MaskOptions, total=False):
     num_partitions: int | None
     buffer_size: int | None
     decode_max_q_len: int
-
-
-# The step plan of a one-shot op, once per metadata object ------------------------------
-_TENSOR_OPTIONS = ("sparse_indices", "topk_lengths", "attn_sink")  # per-call tensors: planned every call
-_METADATA = ("block_table", "cache_lengths", "input_row_offsets")  # compared by value
-_KEPT_PLANS = 4  # option sets remembered per batch
-
-
-class _Kept(NamedTuple):
-    plan: MLAPlan
-    fields: tuple  # the batch's other fields, compared by identity, and its storage's layout
-    metadata: tuple[torch.Tensor, ...]  # copies of the metadata as validated
-
-
-def _fields(batch: CacheBatch) -> tuple:
-    blocks = batch.blocks
-    layout = (tuple(blocks.shape), blocks.stride(), blocks.data_ptr()) if isinstance(blocks, torch.Tensor) else None
-    return (*(getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name not in _METADATA and f.compare), layout)
-
-
-def _same(batch: CacheBatch, kept: _Kept) -> bool:
-    now = _fields(batch)
-    if now[-1] != kept.fields[-1] or any(a is not b for a, b in zip(now[:-1], kept.fields[:-1])):
-        return False
-    for name, was in zip(_METADATA, kept.metadata):
-        now = getattr(batch, name)
-        if not (isinstance(now, torch.Tensor) and now.dtype == was.dtype and now.device == was.device
-                and now.shape == was.shape and torch.equal(now, was)):
-            return False
-    return True
-
-
-def _step(kv_collection: object, scale: object, options: dict) -> MLAPlan:
-    """``openmla.plan(kv_collection, scale=scale, **options)``, kept on the batch for the next call
-    with the same options while its storage and metadata stay the same."""
-    if (not isinstance(kv_collection, CacheBatch) or torch.compiler.is_compiling()
-            or any(options.get(k) is not None for k in _TENSOR_OPTIONS)):
-        return plan(kv_collection, scale=scale, **options)
-    try:  # the backend as resolved now (OPENMLA_BACKEND, device), so a change of either plans again
-        be = load_backend(resolve_backend_name(options.get("backend"), kv_collection.blocks.device))
-        key = (scale, be, tuple(sorted(options.items())))
-        hash(key)
-    except (AttributeError, TypeError, ValueError):  # a bad option or batch: plan() names it
-        return plan(kv_collection, scale=scale, **options)
-    kept = kv_collection._host.setdefault("plans", {})
-    hit = kept.get(key)
-    if hit is not None and _same(kv_collection, hit):
-        return hit.plan
-    if not all(isinstance(getattr(kv_collection, n), torch.Tensor) for n in _METADATA):
-        return plan(kv_collection, scale=scale, **options)  # it names the bad field
-    fields = _fields(kv_collection)
-    metadata = tuple(getattr(kv_collection, n).clone() for n in _METADATA)  # before plan() reads them
-    step = plan(kv_collection, scale=scale, **options)
-    if len(kept) >= _KEPT_PLANS:
-        kept.clear()
-    kept[key] = _Kept(step, fields, metadata)
-    return step
 
 
 # Utilities -------------------------------------------------------------------------
@@ -169,7 +111,7 @@ def mla_write_cache(
 ) -> torch.Tensor:
     """Write ``kv [T, L+R]`` into the cache (RMSNorm latent, RoPE'd key rope) and return q
     ``[T, H, Dn+R]`` with its last R dims rotated (a new tensor of q's dtype)."""
-    step = _step(kv_collection, 1.0, {"backend": backend})  # the scale is not used by a write
+    step = kept_plan(kv_collection, 1.0, {"backend": backend})  # the scale is not used by a write
     return step.write_cache(q, kv, freqs_cis, kv_norm_gamma, layer_idx, epsilon=epsilon, rope_interleaved=rope_interleaved)
 
 
@@ -208,7 +150,7 @@ def mla_prefill_decode_graph(q, kv, input_row_offsets, freqs_cis, kv_norm_gamma,
     Nothing is written to the cache when an argument is rejected. A float8_e4m3fn ``q`` (with
     ``q_scale``: scalar or per token) gives bfloat16 output. ``options``: see ``openmla.plan``.
     """
-    step = _step(kv_collection, scale, options)
+    step = kept_plan(kv_collection, scale, options)
     if not isinstance(input_row_offsets, torch.Tensor):
         raise ValueError(f"input_row_offsets: expected a torch.Tensor, got {type(input_row_offsets).__name__}")
     offs = check_offsets("input_row_offsets", input_row_offsets, step.num_tokens, step.device)
@@ -229,7 +171,7 @@ def flare_mla_decode(q: torch.Tensor, kv_collection: CacheBatch, layer_idx: int,
     (and float32 ``lse [T, H]``). ``kv_lora_rank`` is L, the value width. A float8_e4m3fn ``q``
     (with ``q_scale``) gives bfloat16 output. ``options``: see ``openmla.plan``.
     """
-    step = _step(kv_collection, scale, options)
+    step = kept_plan(kv_collection, scale, options)
     _check_q_scale(q_scale)
     return step.decode(q, layer_idx, kv_lora_rank=kv_lora_rank, q_scale=q_scale, return_lse=return_lse)
 
@@ -241,7 +183,7 @@ def mla_prefill(q: torch.Tensor, kv_collection: CacheBatch, layer_idx: int, w_k:
     position the mask shows (this call's tokens already written). K_nope and V are up-projected
     with ``w_k [H*Dn, L]`` and ``w_uv [H, Dv, L]`` in chunks of at most ``buffer_size`` keys.
     Returns ``out [T, H, Dv]`` (and float32 ``lse``); bfloat16 for a float8_e4m3fn ``q``."""
-    step = _step(kv_collection, scale, options)
+    step = kept_plan(kv_collection, scale, options)
     _check_q_scale(q_scale)
     return step.prefill(q, layer_idx, w_k, w_uv, q_scale=q_scale, return_lse=return_lse)
 
@@ -262,7 +204,7 @@ def flare_mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_
     extra = set(options) - set(MaskOptions.__annotations__)
     if extra:
         raise TypeError(f"flare_mla_prefill() got unexpected keyword arguments {sorted(extra)}")
-    step = _step(kv_collection, scale, options)
+    step = kept_plan(kv_collection, scale, options)
     _check_q_scale(q_scale)
     return step.flare_prefill(q, k, v, buffer_row_offsets, cache_offsets, layer_idx, q_scale=q_scale, tile=_tile,
                               return_lse=return_lse)
