@@ -12,10 +12,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from . import hardware
 from .config import PRESETS, preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_ds_mla")
+
+
+AUTO_DTYPE_HELP = "model dtype (auto: bf16 where this CPU multiplies bf16 at full speed, else fp32)"
+
+
+def _model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """``--dtype``; ``auto`` asks ``openmla.hardware`` (bf16 where the CPU has bf16 dot products)."""
+    return hardware.model_dtype(DTYPES.get(args.dtype))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
 
 
 def _cache_dtype(args: argparse.Namespace):
@@ -41,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return cmd_model_demo(args)
 
     cfg = preset(args.preset, args.heads)
-    dtype = DTYPES[args.dtype]
+    dtype = _model_dtype(args)
     grid = None
     if args.tp * args.cp > 1 or os.environ.get("WORLD_SIZE"):  # torchrun: heads over --tp ranks, cache over --cp
         from .distributed.demo import demo_grid
@@ -49,7 +62,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         grid = demo_grid(args, console)
     console.print(f"[bold]openmla demo[/]: {cfg.name} attention layer, {cfg.num_heads} heads "
                   f"(L={cfg.kv_lora_rank}, R={cfg.qk_rope_head_dim}, Dn={cfg.qk_nope_head_dim}, Dv={cfg.v_head_dim}, "
-                  f"hidden={cfg.hidden_size}), {args.dtype}, page {args.page_size}, {torch.get_num_threads()} threads")
+                  f"hidden={cfg.hidden_size}), {_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
     console.print(f"serving {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, "
                   f"{args.gen_min}-{args.gen_max} generated, at most {args.max_running} running")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
@@ -65,7 +78,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           cache_dtype=_cache_dtype(args), backend=args.backend,
                           seed=args.seed, check=not args.no_check, on_step=on_step, grid=grid, interleave=args.interleave)
     peak = report.matmul_flops_per_s
-    table = Table(title=f"openmla demo — backend {report.backend}, {args.dtype}, {cfg.num_heads} heads")
+    table = Table(title=f"openmla demo — backend {report.backend}, {_name(dtype)}, {cfg.num_heads} heads")
     for col in ("phase", "tokens", "steps", "seconds", "tokens/s", "achieved", "of matmul rate"):
         table.add_column(col, justify="right" if col != "phase" else "left")
     for name, st in (("prefill", report.prefill), ("decode", report.decode)):
@@ -73,7 +86,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       _si(st.flops_per_s, "FLOP/s"), f"{st.flops_per_s / peak:.2f}")
     console.print(table)
     facts = Table(show_header=False, box=None)
-    facts.add_row("bf16 matmul rate (2048^3, this run)" if dtype == torch.bfloat16 else "matmul rate (2048^3, this run)", _si(peak, "FLOP/s"))
+    facts.add_row(f"{_name(dtype)} matmul rate (this run)", _si(peak, "FLOP/s"))
+    facts.add_row("CPU", hardware.describe())
     facts.add_row("requests served", str(report.requests))
     facts.add_row("cache pages", f"peak {report.peak_pages} of {report.num_pages} (page {report.page_size}), "
                   f"{report.pages_in_use_at_end} in use at the end")
@@ -143,7 +157,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .benchmarks import run_bench, save_results
 
-    dtype = DTYPES[args.dtype]
+    dtype = _model_dtype(args)
     rows, peak = run_bench(preset_name=args.preset, heads=args.heads, contexts=args.contexts, batch=args.batch,
                            page_size=args.page_size, dtype=dtype, cache_dtype=_cache_dtype(args), backend=args.backend,
                            baselines=not args.no_baselines,
@@ -151,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .backends import resolve_backend_name
 
     ran = resolve_backend_name(args.backend, torch.device("cpu"))
-    table = Table(title=f"openmla bench — backend {ran}, {args.dtype}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
+    table = Table(title=f"openmla bench — backend {ran}, {_name(dtype)}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
     for col in ("phase", "impl", "heads", "context", "batch", "ms", "achieved", "of matmul", "openmla speed-up"):
         table.add_column(col, justify="left" if col in ("phase", "impl") else "right")
     ours = {(r.phase, r.heads, r.context): r.seconds for r in rows if r.impl.startswith("openmla")}
@@ -202,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gen-max", type=int, default=48)
     d.add_argument("--page-size", type=int, default=64)
     d.add_argument("--num-pages", type=int, default=None, help="page pool size (default: a tight pool)")
-    d.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    d.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)], help=AUTO_DTYPE_HELP)
     d.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
     d.add_argument("--backend", default=None, choices=["cpu", "torch", "triton", "reference"])
     d.add_argument("--seed", type=int, default=0)
@@ -219,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     b.add_argument("--batch", type=int, default=4, help="sequences per decode step")
     b.add_argument("--page-size", type=int, default=64)
-    b.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    b.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)], help=AUTO_DTYPE_HELP)
     b.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
     b.add_argument("--backend", default=None, choices=["cpu", "torch", "triton", "reference"])
     b.add_argument("--repeats", type=int, default=3)

@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from .hardware import fast_matmul
+
 
 def sync(device: torch.device | str = "cpu") -> None:
     if torch.device(device).type == "cuda":
@@ -29,7 +31,11 @@ def median_time(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1, 
 
 
 def matmul_rate(n: int = 2048, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", repeats: int = 5) -> float:
-    """FLOP/s of an ``n x n x n`` matmul in ``dtype``: the roofline every ratio is taken against."""
+    """FLOP/s of an ``n x n x n`` matmul in ``dtype``: the roofline every ratio is taken against.
+    Where the CPU emulates ``dtype`` (``hardware.fast_matmul``) ``n`` is cut to 512: a 2048^3 probe
+    would take minutes there."""
+    if torch.device(device).type == "cpu" and not fast_matmul(dtype):
+        n = min(n, 512)
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
