@@ -52,6 +52,9 @@ class MLAConfig:
     max_position_embeddings: int = 163840
     rms_norm_eps: float = 1e-6
     name: str = field(default="custom", compare=False)
+    # The softmax scale itself, for a model whose scale is not DeepSeek's rule (``openmla.hf`` reads it
+    # from the transformers attention module); None: ``1/sqrt(Dn+R)`` times YaRN's ``mscale^2``.
+    attention_scale: float | None = None
 
     def __post_init__(self) -> None:
         for attr in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size"):
@@ -62,6 +65,8 @@ class MLAConfig:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank must be None or positive, got {self.q_lora_rank}")
+        if self.attention_scale is not None and not (isinstance(self.attention_scale, float) and 0 < self.attention_scale < math.inf):
+            raise ValueError(f"attention_scale must be None or a positive finite float, got {self.attention_scale!r}")
 
     # Derived widths -----------------------------------------------------------------
     @property
@@ -76,7 +81,9 @@ class MLAConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """``1/sqrt(Dn+R)``, times YaRN's ``mscale(factor, mscale_all_dim)^2`` when scaled."""
+        """``attention_scale`` when set, else ``1/sqrt(Dn+R)``, times YaRN's ``mscale(factor, mscale_all_dim)^2`` when scaled."""
+        if self.attention_scale is not None:
+            return self.attention_scale
         scale = self.qk_head_dim**-0.5
         ys = self.rope_scaling
         if ys is not None and ys.mscale_all_dim:

@@ -1,9 +1,12 @@
-"""``attach`` / ``detach``: route every attention layer of a transformers DeepSeek model through openmla.
+"""``attach`` / ``detach``: route every attention layer of a transformers MLA model through openmla.
 
-After ``attach(model, num_pages=...)`` each decoder layer's ``self_attn`` is an
-``AttachedAttention`` sharing the model's own projection modules, and one ``PagedLatentCache``
-serves all layers. Embeddings, norms, MLP / MoE and ``lm_head`` stay transformers' code. The
-model's attention implementation is switched to ``"openmla"`` (registered with transformers'
+``attach`` accepts only the model classes of a known family (``openmla.hf.families``) and checks
+every layer's attention module and the config against what that family's flags reproduce; any
+difference is a ``ValueError`` naming the class and the feature, raised before the model is
+changed. After ``attach(model, num_pages=...)`` each decoder layer's ``self_attn`` is an
+``AttachedAttention`` sharing the module's own submodules, and one ``PagedLatentCache`` serves all
+layers. Embeddings, norms, MLP / MoE and ``lm_head`` stay transformers' code. The text model's
+attention implementation is switched to ``"openmla"`` (registered with transformers'
 ``AttentionInterface``); transformers has no mask function under that name, so it builds no
 attention mask (no ``[T, T]`` tensor for a packed step). ``detach(model)`` puts the original
 modules and attention implementation back.
@@ -19,7 +22,10 @@ from torch import nn
 
 from ..cache import PagedLatentCache
 from ..config import MLAConfig
-from .attention import AttachedAttention, check_hf_attention, layer_config
+from .attention import AttachedAttention
+from .checks import check_attention, layer_config
+from .families import Family, family_of
+from .rope import RopeTable, rope_limit
 
 ATTN_IMPLEMENTATION = "openmla"
 _ATTR = "_openmla_attachment"
@@ -35,8 +41,11 @@ class Attachment:
     originals: list[nn.Module]
     previous_attn_implementation: str | None
     backend: str | None = None  # the openmla backend asked for (None: automatic per device)
-    index_keys: torch.Tensor | None = None  # V3.2: [layers, pages * page_size, index_head_dim], rows as the cache's
+    index_keys: torch.Tensor | None = None  # [indexer layers, pages * page_size, index_head_dim], rows as the cache's
     index_topk: int = 0
+    family: Family | None = None
+    vocab_size: int = 0
+    rope: RopeTable | None = None
 
 
 def _not_attached(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -51,12 +60,12 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _not_attached)
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a transformers ``...ForCausalLM`` (``model.model.layers``)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head") or not hasattr(model, "config"):
-        raise ValueError(f"model: expected a transformers DeepseekV3ForCausalLM / DeepseekV2ForCausalLM, got {type(model).__name__}")
+def decoder_layers(model: nn.Module, family: Family | None = None) -> nn.ModuleList:
+    """The decoder layers of a transformers model of ``family`` (``model.model.layers`` for a ``...ForCausalLM``)."""
+    family = family or family_of(model)
+    layers = getattr(family.decoder_of(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
+        raise ValueError(f"has no decoder layers at {family.decoder}.layers or no lm_head")
     return layers
 
 
@@ -70,6 +79,58 @@ def attachment(model: nn.Module) -> Attachment:
 
 def is_attached(model: nn.Module) -> bool:
     return getattr(model, _ATTR, None) is not None
+
+
+def _text_config(model: nn.Module, family: Family) -> Any:
+    return model.config if family.text_config is None else getattr(model.config, family.text_config)
+
+
+def _set_attn_implementation(model: nn.Module, family: Family, implementation: str) -> None:
+    model.set_attn_implementation(implementation if family.text_config is None else {family.text_config: implementation})
+
+
+def _checked(model: nn.Module) -> tuple[Family, Any, nn.ModuleList, MLAConfig, RopeTable]:
+    """Everything ``attach`` needs, checked; nothing on the model changes here. Every refusal is a
+    ``ValueError`` naming the model class and what openmla.hf does not reproduce."""
+    family = family_of(model)
+    try:
+        return (family,) + _check_family_model(model, family)
+    except ValueError as exc:
+        raise ValueError(f"model: {type(model).__name__}: {exc}") from None
+
+
+def _check_family_model(model: nn.Module, family: Family) -> tuple[Any, nn.ModuleList, MLAConfig, RopeTable]:
+    layers = decoder_layers(model, family)
+    if len(layers) == 0:
+        raise ValueError("has no decoder layers")
+    hf_config = _text_config(model, family)
+    for check in family.config_checks:
+        problem = check(hf_config)
+        if problem is not None:
+            raise ValueError(f"{problem}; openmla.hf does not reproduce it")
+    originals = [getattr(layer, "self_attn", None) for layer in layers]
+    where = [f"{family.decoder}.layers.{i}.self_attn" for i in range(len(layers))]
+    for module, at in zip(originals, where):
+        if not isinstance(module, nn.Module) or not isinstance(getattr(module, "kv_b_proj", None), nn.Module):
+            raise ValueError(f"{at} is a {type(module).__name__}, not one MLA attention module")
+    config = layer_config(family, hf_config, originals[0], where[0])
+    for module, at in zip(originals, where):
+        check_attention(family, config, module, at)
+        mine = layer_config(family, hf_config, module, at)
+        if mine != config:
+            raise ValueError(f"{at} has other MLA dims or another softmax scale than layer 0 ({mine} vs {config}): one cache "
+                             "width and one plan serve all layers")
+    if family.indexer is not None and getattr(originals[0], "indexer", None) is None:
+        raise ValueError("layer 0 has no top-k indexer, so no layer before it has picks to share")
+    rotary = getattr(family.decoder_of(model), "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        raise ValueError(f"has no rotary embedding module at {family.decoder}.rotary_emb")
+    try:
+        rope = RopeTable(rotary, config.qk_rope_head_dim, family.rope_reader, rope_limit(rotary, hf_config))
+        rope.check(originals[0].kv_b_proj.weight.device)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; openmla.hf does not reproduce it") from None
+    return hf_config, layers, config, rope
 
 
 def attach(
@@ -86,48 +147,47 @@ def attach(
     device. ``cache_dtype``: ``None`` stores entries in the attention weights' dtype, else a float
     dtype, ``"fp8_e4m3"`` or ``"fp8_ds_mla"`` (see ``PagedLatentCache``). ``backend`` picks the
     openmla backend (default: automatic per device). Everything is checked before the model is
-    changed: a model that is not a DeepSeek MLA model raises ``ValueError`` and stays as it was.
+    changed: a model openmla.hf does not run exactly raises ``ValueError`` and stays as it was.
     """
     if is_attached(model):
         raise ValueError("model: already attached; call openmla.hf.detach(model) first")
-    layers = decoder_layers(model)
-    if len(layers) == 0:
-        raise ValueError("model: has no decoder layers")
+    family, hf_config, layers, config, rope = _checked(model)
     originals = [layer.self_attn for layer in layers]
-    config = layer_config(model.config, originals[0])
-    for i, module in enumerate(originals):
-        check_hf_attention(module, config, f"model.layers.{i}.self_attn")
     weight = originals[0].kv_b_proj.weight
     cache = PagedLatentCache(len(layers), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
                              device=weight.device, rope_dim=config.qk_rope_head_dim)
-    attached = [AttachedAttention.adopt(m, config, i, backend=backend) for i, m in enumerate(originals)]
-    indexers = [m.indexer for m in attached if m.indexer is not None]
+    scale = family.query_scale(hf_config) if family.query_scale is not None else None
+    attached = [AttachedAttention.adopt(m, config, i, family, rope, query_scale=scale, backend=backend)
+                for i, m in enumerate(originals)]
+    indexers = [m for m in attached if m.indexer is not None]
     index_keys, index_topk = None, 0
     if indexers:
-        if len(indexers) != len(attached):
-            raise ValueError("model: only some attention layers have a top-k indexer")
-        first = indexers[0]
+        first = indexers[0].indexer
         index_topk = int(first.index_topk)
-        index_keys = torch.zeros(len(layers), num_pages * page_size, first.head_dim, dtype=first.wk.weight.dtype,
+        if any(int(m.indexer.index_topk) != index_topk or m.indexer.head_dim != first.head_dim for m in indexers):
+            raise ValueError(f"model: {type(model).__name__}: its indexers differ in index_topk or index_head_dim")
+        index_keys = torch.zeros(len(indexers), num_pages * page_size, first.head_dim, dtype=first.wk.weight.dtype,
                                  device=weight.device)
-        for i, module in enumerate(attached):
-            module.index_keys = index_keys[i]
+        for j, module in enumerate(indexers):
+            module.index_keys = index_keys[j]
     _register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+    text = _text_config(model, family)
+    previous = text._attn_implementation
+    _set_attn_implementation(model, family, ATTN_IMPLEMENTATION)
+    if text._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"model: {type(model).__name__} does not accept a custom attention implementation")
     for layer, module in zip(layers, attached):
         layer.self_attn = module
-    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk))
+    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
+                                     family, int(hf_config.vocab_size), rope))
     return cache
 
 
 def detach(model: nn.Module) -> None:
     """Undo ``attach``: the original attention modules and attention implementation come back."""
     state = attachment(model)
-    for layer, module in zip(decoder_layers(model), state.originals):
+    for layer, module in zip(decoder_layers(model, state.family), state.originals):
         layer.self_attn = module
     if state.previous_attn_implementation is not None:
-        model.set_attn_implementation(state.previous_attn_implementation)
+        _set_attn_implementation(model, state.family, state.previous_attn_implementation)
     delattr(model, _ATTR)

@@ -1,95 +1,76 @@
-"""One transformers DeepSeek attention module, re-seated on openmla's ``LatentAttention``.
+"""One transformers MLA attention module, re-seated on openmla's ``LatentAttention``: the shared core.
 
-``AttachedAttention`` takes the projection modules of a transformers ``DeepseekV3Attention`` /
-``DeepseekV2Attention`` as its own (the same ``nn.Linear`` and RMSNorm objects, so the same
-parameter tensors: nothing is copied), and answers transformers' attention call: the decoder
-layer hands it ``hidden_states [1, T, hidden]`` of one packed ragged step and the step's
-attention context under the keyword ``openmla_step``; it returns ``([1, T, hidden], None)``.
-The only tensors it owns are ``LatentAttention``'s derived ``kv_b_proj`` layouts (``w_k``,
-``w_uk``, ``w_uv``) and the shared rope table.
+``AttachedAttention`` takes every submodule and parameter of a transformers attention module as
+its own (the same ``nn.Linear`` / norm / indexer objects and the same ``sinks`` parameter, so the
+same parameter tensors under the same names: nothing is copied), and answers transformers'
+attention call: the decoder layer hands it ``hidden_states [1, T, hidden]`` of one packed ragged
+step and the step's plan under the keyword ``openmla_step``; it returns ``([1, T, hidden], None)``
+(and the step's top-k picks as a third value for families whose layers share them). The only
+tensors it owns are ``LatentAttention``'s derived ``kv_b_proj`` layouts (``w_k``, ``w_uk``, ``w_uv``).
+
+What differs between families is read from the layer's ``Family`` (``openmla.hf.families``):
+how the query is projected, a query scale by position, an output gate, sinks, a top-k indexer.
+The rope comes from the model's own rotary module through the attachment's ``RopeTable``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..config import MLAConfig
-from ..layer import LatentAttention, shared_freqs_cis
-from .indexer import IndexStep, check_indexer, select_keys
+from ..layer import LatentAttention
+from ..planning import MLAPlan
+from .families import Family
+from .indexer import IndexStep, select_keys
+from .rope import RopeTable
 
 STEP_KWARG = "openmla_step"  # the keyword the attention context travels under through transformers' layers
 INDEX_KWARG = "openmla_index_step"  # and the step's IndexStep, for models with a top-k indexer (V3.2)
-_ROPE_ROWS = 4096  # first size of the shared rope table; it grows with the longest sequence seen
-
-
-def projection_names(config: MLAConfig) -> tuple[str, ...]:
-    """The attention submodules a layer of ``config`` has, under DeepSeek's names."""
-    q = ("q_proj",) if config.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
-    return q + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-
-
-def check_hf_attention(module: nn.Module, config: MLAConfig, where: str) -> None:
-    """``ValueError`` unless ``module`` is an MLA attention module this package can take over."""
-    if getattr(module, "indexer", None) is not None:
-        check_indexer(module.indexer, f"{where}.indexer")
-        if config.q_lora_rank is None:
-            raise ValueError(f"model: {where} has a top-k indexer but no query latent (q_lora_rank)")
-    missing = [n for n in projection_names(config) if not isinstance(getattr(module, n, None), nn.Module)]
-    if missing:
-        raise ValueError(f"model: {where} ({type(module).__name__}) is not a DeepSeek MLA attention module: no {missing}")
-    if not isinstance(getattr(module.kv_a_layernorm, "weight", None), torch.Tensor):
-        raise ValueError(f"model: {where}.kv_a_layernorm has no weight")
-    H, Dn, Dv, L = config.num_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
-    want = (H * (Dn + Dv), L)
-    if tuple(module.kv_b_proj.weight.shape) != want:
-        raise ValueError(f"model: {where}.kv_b_proj.weight has shape {tuple(module.kv_b_proj.weight.shape)}, the config says {want}")
-
-
-def layer_config(hf_config: Any, module: nn.Module) -> MLAConfig:
-    """The ``MLAConfig`` of a transformers model, with the latent norm's epsilon taken from ``module``.
-
-    transformers builds ``kv_a_layernorm`` with its own default epsilon, not the config's
-    ``rms_norm_eps``; the fused op must use the one the module holds.
-    """
-    config = MLAConfig.from_hf(hf_config)
-    eps = getattr(module.kv_a_layernorm, "variance_epsilon", getattr(module.kv_a_layernorm, "eps", None))
-    return config if eps is None else dataclasses.replace(config, rms_norm_eps=float(eps))
 
 
 class AttachedAttention(LatentAttention):
-    """``LatentAttention`` over the projection modules of a transformers MLA attention module.
+    """``LatentAttention`` over the submodules of a transformers MLA attention module of ``family``.
 
-    A DeepSeek-V3.2 module's ``indexer`` is adopted too: each call then picks every token's keys
-    (``select_keys``, its keys kept in ``index_keys``, this layer's rows of the attachment's
-    store) and attends to those only."""
+    A module with a top-k ``indexer`` (DeepSeek-V3.2 and others) has it adopted too: each call
+    then picks every token's keys (``select_keys``, its keys kept in ``index_keys``, this layer's
+    rows of the attachment's store), or reuses the previous layer's picks, and attends to those only."""
 
     index_keys: torch.Tensor | None = None
 
     @classmethod
-    def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, *, backend: str | None = None) -> "AttachedAttention":
-        """Build on the meta device (no throw-away weights), then take ``module``'s projections."""
+    def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, family: Family, rope: RopeTable, *,
+              query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              backend: str | None = None) -> "AttachedAttention":
+        """Build on the meta device (no throw-away weights), then take ``module``'s submodules and parameters."""
         weight = module.kv_b_proj.weight
         layer = cls(config, layer_idx, dtype=weight.dtype, device="meta", backend=backend, max_position=1)
-        for name in projection_names(config):
-            setattr(layer, name, getattr(module, name))
-        layer.indexer = getattr(module, "indexer", None)  # a submodule when present (its parameters shared)
+        theirs = dict(module.named_children())
+        for name in [n for n, _ in layer.named_children() if n not in theirs]:
+            delattr(layer, name)  # a projection of LatentAttention's this family does not have (AXK2: q_b_proj)
+        for name, child in theirs.items():
+            setattr(layer, name, child)
+        for name, param in module.named_parameters(recurse=False):  # Hunyuan's sinks
+            setattr(layer, name, param)
+        layer.indexer = getattr(module, "indexer", None)
+        layer.family, layer.rope, layer.query_scale = family, rope, query_scale
+        layer.freqs_cis = None  # the rope comes from ``rope``, the model's own table
         layer.split_kv_b()  # w_k, w_uk, w_uv become real tensors, derived from the adopted kv_b_proj
-        layer.freqs_cis = shared_freqs_cis(config, min(config.max_position_embeddings, _ROPE_ROWS), weight.device)
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
-        if left:  # a projection the config did not name: a bug here, not the user's
-            raise RuntimeError(f"AttachedAttention: {left} still on the meta device after adopting {type(module).__name__}")
+        mine = {n for n, _ in layer.named_parameters()}
+        if left or mine != {n for n, _ in module.named_parameters()}:  # a bug here, not the user's
+            raise RuntimeError(f"AttachedAttention: adopting {type(module).__name__} left {left} on the meta device or "
+                               f"changed its parameter names")
         return layer
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        """``hidden_states [1, T, hidden]`` -> ``([1, T, hidden], None)``, transformers' attention contract.
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+        """``hidden_states [1, T, hidden]`` -> ``([1, T, hidden], None)``, transformers' attention contract
+        (``([1, T, hidden], None, picks)`` for families whose layers share their top-k picks).
 
-        ``kwargs[STEP_KWARG]`` is the step's attention context; transformers' other arguments
-        (mask, position embeddings, its cache) are not used: positions and causality come from
-        the context, the rope from openmla's table.
+        ``kwargs[STEP_KWARG]`` is the step's plan; transformers' other arguments (mask, its cache)
+        are not used: positions and causality come from the plan, the rope from the model's table.
         """
         step = kwargs.get(STEP_KWARG)
         if step is None:
@@ -97,12 +78,44 @@ class AttachedAttention(LatentAttention):
                              "(or openmla.hf.forward_step), or call openmla.hf.detach(model) first")
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
-        if self.indexer is None:
-            return super().forward(hidden_states[0], step)[None], None
-        return self._sparse_forward(hidden_states[0], step, kwargs)[None], None
+        hidden = hidden_states[0]
+        step = self.check_step(hidden, step, {})
+        q, q_resid, gate = self._query(hidden, step)
+        picks = None
+        if self.family.indexer is not None:
+            picks = self._pick(hidden, q_resid, kwargs)
+            step = step.with_sparse(picks, physical_indices=False)
+        out = self._attend(hidden, step, q, gate)[None]
+        return (out, None, picks) if self.family.shared_topk else (out, None)
 
-    def _sparse_forward(self, hidden: torch.Tensor, step: Any, kwargs: dict) -> torch.Tensor:
-        """V3.2: the indexer's selection, then attention over the selected keys only."""
+    def _query(self, hidden: torch.Tensor, step: MLAPlan) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(q [T, H, Dn+R] before rope, the query latent or None, the output gate's logits [T, H, Dv] or None)``."""
+        c, f = self.config, self.family
+        T, H = hidden.shape[0], c.num_heads
+        gate = None
+        if f.query == "q_gate":  # AXK2: one projection of [normed latent, latent] gives the query and the gate
+            latent = self.q_a_proj(hidden)
+            q_resid = self.q_a_layernorm(latent)
+            both = self.q_gate_proj(torch.cat([q_resid, latent], dim=-1)).view(T, H, c.qk_head_dim + c.v_head_dim)
+            q, gate = both.split([c.qk_head_dim, c.v_head_dim], dim=-1)
+            q = q.contiguous()
+        else:
+            q_resid = None if c.q_lora_rank is None else self.query_latent(hidden)
+            q = self.project_q(hidden, q_resid)
+            if f.output_gate == "gate_proj":
+                gate = self.gate_proj(hidden).view(T, H, c.v_head_dim)
+        if self.query_scale is not None:  # a factor per token on the whole query (rope is linear: before or after it)
+            q = q * self.query_scale(step.token_pos)[:, None, None].to(q.dtype)
+        return q, q_resid, gate
+
+    def _pick(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+        """int32 ``[T, stride]`` logical key positions each token attends to (-1: unused): this
+        layer's indexer's, or the previous layer's for a layer without one."""
+        if self.indexer is None:
+            picks = kwargs.get("prev_topk_indices")
+            if not isinstance(picks, torch.Tensor) or picks.shape[0] != hidden.shape[0]:
+                raise ValueError("prev_topk_indices: this layer reuses the previous layer's top-k picks and got none")
+            return picks
         index_step = kwargs.get(INDEX_KWARG)
         if not isinstance(index_step, IndexStep) or self.index_keys is None:
             raise ValueError(f"{INDEX_KWARG}: this layer has a top-k indexer; run the model through openmla.hf.generate "
@@ -111,8 +124,26 @@ class AttachedAttention(LatentAttention):
         if not (isinstance(tables, tuple) and len(tables) == 2):
             raise ValueError("position_embeddings: a layer with a top-k indexer needs the model's (cos, sin) tables")
         cos, sin = tables
-        step = self.check_step(hidden, step, {})
-        q_resid = self.query_latent(hidden)
-        q = self.project_q(hidden, q_resid)
-        picked = select_keys(self.indexer, self.index_keys, index_step, hidden, q_resid, cos[0], sin[0])
-        return self.attend(hidden, step.with_sparse(picked, physical_indices=False), q)
+        return select_keys(self.indexer, self.index_keys, index_step, hidden, q_resid, cos[0], sin[0], self.family.indexer)
+
+    def _attend(self, hidden: torch.Tensor, step: MLAPlan, q: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Cache write, attention (``MLAPlan.run``), the output gate, ``o_proj``: ``[T, hidden]``."""
+        c, f = self.config, self.family
+        T = hidden.shape[0]
+        kv = self.kv_a_proj_with_mqa(hidden)
+        sink = self.sinks.float() if f.sinks else None
+        table = self.rope.table(step.max_position, hidden.device)
+        if hasattr(self, "weights"):  # LayerWeights: run(q, kv, layer_idx, weights, freqs_cis)
+            out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
+        else:  # the split tensors one by one (until LayerWeights lands everywhere)
+            out = step.run(q, kv, table, self.kv_a_layernorm.weight, self.layer_idx, self.w_k, self.w_uk, self.w_uv,
+                           epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, attn_sink=sink)
+        if gate is not None:
+            if f.gate_in_float32:
+                out = (out * torch.sigmoid(gate.float())).to(out.dtype)
+            else:
+                out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim).to(self.o_proj.weight.dtype))
+
+    def extra_repr(self) -> str:
+        return f"family={self.family.name}, " + super().extra_repr()

@@ -140,13 +140,13 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from ..cli import DTYPES, _cache_dtype, console
+    from ..cli import _cache_dtype, _model_dtype, _name, console
     from .demo import run_model_demo
 
-    dtype = DTYPES[args.dtype]
+    dtype = _model_dtype(args)  # --dtype auto: bf16 where this CPU multiplies it at full speed
     max_new = args.gen_max
     console.print(f"[bold]openmla demo --model {args.model}[/]: a random whole DeepSeek-V3-shaped transformers model on openmla, "
-                  f"{args.dtype}, page {args.page_size}, {torch.get_num_threads()} threads")
+                  f"{_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
     console.print(f"serving {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, {max_new} generated each, "
                   f"at most {args.max_running} running")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
@@ -157,7 +157,7 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
                                 cache_dtype=_cache_dtype(args), backend=args.backend, seed=args.seed,
                                 on_event=lambda ev: progress.advance(task))
     st = report.stats
-    table = Table(title=f"openmla demo — {report.model}, {args.dtype}")
+    table = Table(title=f"openmla demo — {report.model}, {_name(dtype)}")
     for col in ("steps", "count", "prompt tokens", "generated tokens", "seconds", "tokens/s"):
         table.add_column(col, justify="left" if col == "steps" else "right")
     mixed = [s for s in st.steps if s.prefill_tokens]

@@ -97,7 +97,7 @@ def stream(
     if not isinstance(limits, Limits):
         raise ValueError(f"limits: expected an openmla.hf.Limits, got {type(limits).__name__}")
     cache = state.cache
-    checked = _check_prompts(prompts, model.config.vocab_size, cache.num_pages * cache.page_size, max_new_tokens)
+    checked = _check_prompts(prompts, state.vocab_size, cache.num_pages * cache.page_size, max_new_tokens)
     return _run(model, checked, max_new_tokens, sampling, _eos_set(eos_token_id), limits, stats, return_logits)
 
 

@@ -10,6 +10,10 @@ over the keys the causal mask shows; the top ``index_topk`` scores win (all visi
 fewer). transformers' ``DeepseekV32Indexer`` holds the weights; here its keys live in a paged
 store beside the latent cache (the same pages and rows), and the selection of one packed ragged
 step comes back as logical positions (-1 = unused) for ``MLAPlan.with_sparse``.
+
+Other families' indexers differ in where the rope sits and how it pairs values, and in where the
+scale is applied (``IndexerSpec``): GLM-5 rotates even/odd pairs; Hunyuan V4 ropes the last
+``qk_rope_head_dim`` values, keeps its key norm in float32 and scales the head weights instead.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from ..planning import MLAPlan
+from .families.family import IndexerSpec
 
 INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
 _SCORE_BUDGET = 1 << 22  # float32 scores held at once per chunk of query rows (16 MiB): no [T, T] tensor
@@ -30,9 +35,9 @@ def check_indexer(module: nn.Module, where: str) -> None:
     missing = [n for n in INDEXER_PARTS if not isinstance(getattr(module, n, None), nn.Module)]
     missing += [n for n in ("n_heads", "head_dim", "index_topk", "qk_rope_head_dim", "softmax_scale") if not hasattr(module, n)]
     if missing:
-        raise ValueError(f"model: {where} ({type(module).__name__}) is not a DeepSeek-V3.2 indexer: no {missing}")
+        raise ValueError(f"{where} ({type(module).__name__}) is not a DeepSeek-V3.2 indexer: no {missing}")
     if module.qk_rope_head_dim % 2 or module.qk_rope_head_dim > module.head_dim:
-        raise ValueError(f"model: {where} has rope width {module.qk_rope_head_dim} for keys of {module.head_dim}")
+        raise ValueError(f"{where} has rope width {module.qk_rope_head_dim} for keys of {module.head_dim}")
 
 
 @dataclass
@@ -69,27 +74,42 @@ class IndexStep:
         return cls(key_rows, spans, plan.write_rows, max(1, min(index_topk, max(b.seq_lens_list, default=1))))
 
 
-def _rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int) -> torch.Tensor:
-    """Rotate the first ``rope`` values of ``x [..., D]`` in two halves (``cos``/``sin`` broadcast)."""
-    rot, rest = x[..., :rope], x[..., rope:]
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int, spec: IndexerSpec) -> torch.Tensor:
+    """Rotate the ``rope`` values of ``x [..., D]`` (the first or last ones, per ``spec``) with
+    transformers' arithmetic; ``cos``/``sin`` are its ``cat(freqs, freqs)`` tables, broadcast."""
+    if spec.rope_at == "head":
+        rot, rest = x[..., :rope], x[..., rope:]
+    else:
+        rest, rot = x[..., : x.shape[-1] - rope], x[..., x.shape[-1] - rope:]
     half = rope // 2
-    turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    return torch.cat((rot * cos + turned * sin, rest), dim=-1)
+    if spec.rope_layout == "half":
+        turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        rot = rot * cos + turned * sin
+    else:  # even/odd pairs, written back as [rotated evens, rotated odds] as transformers does (q and k alike)
+        c, s = cos[..., :half], sin[..., :half]
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return torch.cat((rot, rest) if spec.rope_at == "head" else (rest, rot), dim=-1)
 
 
 @torch.no_grad()
 def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden: torch.Tensor, q_resid: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, spec: IndexerSpec = IndexerSpec()) -> torch.Tensor:
     """Write this step's index keys into ``keys [rows, head_dim]`` (one layer's store) and return
     int32 ``[T, step.stride]``: the logical key positions each new token attends to, -1 in unused
     slots. ``hidden [T, hidden]`` and ``q_resid [T, q_lora_rank]`` are the layer's inputs;
-    ``cos``/``sin [T, rope]`` the model's rotary tables at the tokens' positions."""
+    ``cos``/``sin [T, rope]`` the model's rotary tables at the tokens' positions; ``spec`` the
+    indexer's form."""
     T = hidden.shape[0]
     H, D, R = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
-    q = _rope_half_split(indexer.wq_b(q_resid).view(T, H, D), cos[:, None], sin[:, None], R)
-    k = _rope_half_split(indexer.k_norm(indexer.wk(hidden)), cos, sin, R)
+    q = _rope(indexer.wq_b(q_resid).view(T, H, D), cos[:, None], sin[:, None], R, spec)
+    k = indexer.k_norm(indexer.wk(hidden).to(indexer.k_norm.weight.dtype)).to(hidden.dtype)  # a float32 norm stays float32
+    k = _rope(k, cos, sin, R, spec)
     keys[step.write_rows] = k.to(keys.dtype)
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * H**-0.5  # [T, H]
+    if spec.scale_in_weights:
+        weights = weights * indexer.softmax_scale
+    score_scale = 1.0 if spec.scale_in_weights else indexer.softmax_scale
     out = torch.full((T, step.stride), -1, dtype=torch.int32, device=hidden.device)
     for t0, t1, k0, k1, p0 in step.spans:
         n = k1 - k0
@@ -99,7 +119,10 @@ def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden:
         for a in range(t0, t1, rows):
             b = min(t1, a + rows)
             seen = min(n, p0 + (b - t0))  # keys past the chunk's last position are masked for all its rows
-            scores = torch.matmul(q[a:b].float(), seq_keys[:, :seen]).mul_(indexer.softmax_scale).relu_()  # [c, H, seen]
+            scores = torch.matmul(q[a:b].float(), seq_keys[:, :seen])  # [c, H, seen]
+            if score_scale != 1.0:
+                scores.mul_(score_scale)
+            scores.relu_()
             total = torch.matmul(weights[a:b, None, :], scores)[:, 0]  # [c, seen]
             q_pos = p0 + (a - t0) + torch.arange(b - a, device=hidden.device)
             total.masked_fill_(key_pos[None, :seen] > q_pos[:, None], float("-inf"))

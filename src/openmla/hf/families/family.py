@@ -1,0 +1,144 @@
+"""``Family``: what one transformers MLA model family's attention is, as a table of names and flags.
+
+The one attention core (``AttachedAttention``) reads these flags; a family adds no code of its
+own beyond small functions named here (a config check, a query scale rule). Everything a flag
+does not describe is refused by ``attach``: the model class must be listed, every layer's
+attention module must be exactly ``attention_class`` and hold only the submodules the flags
+account for, and each ``config_checks`` function must pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# The MLA projections every family holds (DeepSeek's names), with q LoRA or a plain q_proj.
+KV_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+Q_LORA_MODULES = ("q_a_proj", "q_a_layernorm", "q_b_proj")
+
+
+@dataclass(frozen=True)
+class IndexerSpec:
+    """A top-k indexer (DeepSeek Sparse Attention) in the form of transformers' ``DeepseekV32Indexer``.
+
+    - ``rope_layout``: ``"half"`` (``rotate_half`` pairs) or ``"interleave"`` (even/odd pairs);
+    - ``rope_at``: ``"head"`` (the first R values of each index head carry the rope) or ``"tail"``;
+    - ``scale_in_weights``: ``softmax_scale`` multiplies the head weights (after the relu), not the scores.
+    """
+
+    rope_layout: str = "half"
+    rope_at: str = "head"
+    scale_in_weights: bool = False
+
+
+# A config check: (transformers text config) -> a problem in words, or None.
+ConfigCheck = Callable[[Any], "str | None"]
+# A query scale rule: (transformers text config) -> (positions int64 [T]) -> float factor [T] on q.
+QueryScale = Callable[[Any], Callable[[torch.Tensor], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One MLA family's attention, as the shared core runs it.
+
+    - ``name``: transformers' folder (``models/<name>``); ``model_types``: config ``model_type`` values
+      that load this way; ``model_classes``: the top-level classes ``attach`` accepts;
+    - ``attention_class``: the class every layer's ``self_attn`` must be;
+    - ``decoder``: attribute path from the top-level model to its decoder stack (``layers``,
+      ``rotary_emb``, ``config``); ``text_config``: the sub-config of a composite model whose
+      attention implementation is switched (None: the model's own config);
+    - ``query``: ``"auto"`` (``q_proj``, or q LoRA when ``config.q_lora_rank`` is set) or ``"q_gate"``
+      (``q_gate_proj([q_resid, q_latent])`` gives the query and a per-channel output gate);
+    - ``rope_layout``: ``"config"`` (``config.rope_interleave``), ``"interleave"`` or ``"half"``;
+      ``rope_reader``: ``"cos_sin"`` or ``"complex"`` (what the rotary module returns);
+    - ``query_scale``: a per-position factor on the query (Llama-4's), None for none;
+    - ``output_gate``: None, ``"q_gate"`` or ``"gate_proj"`` (``sigmoid(gate)`` times each head's output
+      before ``o_proj``); ``gate_in_float32``: the sigmoid and product in float32, then cast back;
+    - ``sinks``: a per-head ``sinks`` parameter (one extra logit in each softmax);
+    - ``indexer``: the top-k indexer's form (None: dense attention); ``shared_topk``: layers without
+      an indexer reuse the previous layer's picks (the attention returns them as a third value);
+    - ``extra_modules``: submodules beyond the MLA projections that the flags account for;
+    - ``config_checks``: further checks of the config (allow-list of what the flags reproduce);
+    - ``example``: a checkpoint of the family, for ``openmla models``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    model_classes: tuple[str, ...]
+    attention_class: str
+    decoder: str = "model"
+    text_config: str | None = None
+    query: str = "auto"
+    rope_layout: str = "config"
+    rope_reader: str = "cos_sin"
+    query_scale: QueryScale | None = None
+    output_gate: str | None = None
+    gate_in_float32: bool = False
+    sinks: bool = False
+    indexer: IndexerSpec | None = None
+    shared_topk: bool = False
+    extra_modules: tuple[str, ...] = ()
+    config_checks: tuple[ConfigCheck, ...] = ()
+    example: str = ""
+
+    def __post_init__(self) -> None:
+        choices = {"query": ("auto", "q_gate"), "rope_layout": ("config", "interleave", "half"),
+                   "rope_reader": ("cos_sin", "complex"), "output_gate": (None, "q_gate", "gate_proj")}
+        for attr, allowed in choices.items():
+            if getattr(self, attr) not in allowed:
+                raise ValueError(f"Family {self.name}: {attr} must be one of {allowed}, got {getattr(self, attr)!r}")
+        if (self.query == "q_gate") != (self.output_gate == "q_gate"):
+            raise ValueError(f"Family {self.name}: query 'q_gate' and output_gate 'q_gate' go together")
+
+    def decoder_of(self, model: Any) -> Any:
+        """The decoder stack of ``model`` (``model.model`` for a plain ``...ForCausalLM``)."""
+        inner = model
+        for part in self.decoder.split("."):
+            inner = getattr(inner, part, None)
+        return inner
+
+    def rope_interleaved(self, hf_config: Any) -> bool:
+        if self.rope_layout == "config":
+            return bool(hf_config.rope_interleave)
+        return self.rope_layout == "interleave"
+
+    def module_names(self, q_lora: bool) -> tuple[str, ...]:
+        """The submodules an attention module of this family has (``q_lora``: the config sets q_lora_rank)."""
+        if self.query == "q_gate":
+            q = ("q_a_proj", "q_a_layernorm", "q_gate_proj")
+        else:
+            q = Q_LORA_MODULES if q_lora else ("q_proj",)
+        return q + KV_MODULES + self.extra_modules
+
+    def features(self) -> str:
+        """The flags in words (``openmla models``)."""
+        out = [{"config": "rope layout from rope_interleave", "interleave": "interleaved rope",
+                "half": "half-split rope"}[self.rope_layout]]
+        if self.query == "q_gate":
+            out.append("query gate (q_gate_proj)")
+        if self.query_scale is not None:
+            out.append("position-dependent query scale")
+        if self.output_gate == "gate_proj":
+            out.append("output gate (gate_proj)")
+        if self.sinks:
+            out.append("per-head sinks")
+        if self.indexer is not None:
+            out.append("top-k indexer" + (", shared top-k layers" if self.shared_topk else ""))
+        return ", ".join(out)
+
+
+def needs(attr: str, allowed: tuple | None = None) -> ConfigCheck:
+    """A config check: ``attr`` must exist (and be one of ``allowed``)."""
+
+    def check(hf_config: Any) -> str | None:
+        if not hasattr(hf_config, attr):
+            return f"its config has no {attr}"
+        value = getattr(hf_config, attr)
+        if allowed is not None and value not in allowed:
+            return f"{attr}={value!r} (supported: {allowed})"
+        return None
+
+    check.__name__ = f"needs_{attr}"
+    return check

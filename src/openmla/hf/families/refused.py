@@ -1,0 +1,43 @@
+"""MLA families in transformers that ``attach`` refuses, each with what openmla lacks to run it exactly.
+
+Keyed by the top-level model class; ``attach`` raises ``ValueError`` naming the class, the family
+and the gap before the model is changed. Kernel and cache gaps are for the backends to fill;
+none of these is approximated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Refused:
+    family: str
+    gap: str
+
+
+_MISTRAL_LARGE4 = Refused("mistral_large4", "layers without rope (R=0 keys: no kernel form), layers that reuse an earlier "
+                          "layer's latent instead of writing their own (no shared cache layer), a top-k indexer that "
+                          "reads hidden states and learned rope frequencies")
+_DOTS3 = Refused("dots3_note", "a different latent width and head count per layer (one cache width for all layers), "
+                 "a norm on the rope part of each key before rotation (the cache write norms the latent only), "
+                 "sliding-window layers beside top-k layers")
+_GLM5_NEXT = Refused("glm5_next", "R=0 keys with pooled key groups for the indexer (no kernel form), and linear-attention "
+                     "layers whose state transformers keeps per batch row (no per-sequence state under continuous batching)")
+_HY_V4_VL = Refused("hy_v4_vl", "multimodal rope (M-RoPE: three position streams per token), which the rope table "
+                    "indexed by one position cannot hold")
+
+REFUSED: dict[str, Refused] = {
+    "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
+    "Dots3NoteForCausalLM": _DOTS3,
+    "Dots3NoteForConditionalGeneration": _DOTS3,
+    "LongcatFlashForCausalLM": Refused("longcat_flash", "two MLA blocks per decoder layer (self_attn is a ModuleList: "
+                                       "two cache layers per decoder layer), scaled query and latent projections"),
+    "KimiLinearForCausalLM": Refused("kimi_linear", "linear-attention (KDA) layers whose recurrent state transformers keeps "
+                                     "per batch row (no per-sequence state under continuous batching); its MLA layers "
+                                     "use no rope"),
+    "BailingHybridForCausalLM": Refused("bailing_hybrid", "linear-attention layers whose recurrent state transformers "
+                                        "keeps per batch row (no per-sequence state under continuous batching)"),
+    "Glm5NextForConditionalGeneration": _GLM5_NEXT,
+    "HYV4VLForConditionalGeneration": _HY_V4_VL,
+}
