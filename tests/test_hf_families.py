@@ -25,6 +25,7 @@ from test_hf_generate import NEW, TOL, VOCAB, one_thread, prompts_for, run_strea
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=False)
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1)
+TOPK = dict(index_topk=8, index_n_heads=4)
 
 
 def _text(**extra):
@@ -44,6 +45,15 @@ CASES = {
     "sarvam_mla": ("DeepseekV3ForCausalLM", "SarvamMLAConfig", _text(**MOE)),  # L=512 R=64 Dn=128 Dv=128, q_proj
     # DeepSeek-V3's text model (L=512 R=64 Dn=128 Dv=128 q_lora=1536) under a tiny vision tower
     "kimi_k25": ("Kimi_K25ForConditionalGeneration", "Kimi_K25Config", None),
+    # top-k families: top 8 keys per token (prompts reach 65 keys), 4 index heads of the real width
+    # L=128 R=32 Dn=64 Dv=64 q_lora=384: query gate from q_gate_proj
+    "axk2": ("AXK2ForCausalLM", "AXK2Config", _text(**MOE, **TOPK, gated_norm_rank=8)),
+    # L=512 R=64 Dn=192 Dv=256 q_lora=2048; layer 1 reuses layer 0's picks
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", _text(**MOE, **TOPK, first_k_dense_replace=1,
+                                                                      indexer_types=["full", "shared"])),
+    # L=512 R=64 Dn=192 Dv=256 q_lora=1536; output gate, sinks, 2 hyper-connection streams, layer 1 reuses picks
+    "hy_v4": ("HYV4ForCausalLM", "HYV4Config", _text(**MOE, **TOPK, indexer_types=["full", "shared"], hc_mult=2, pad_token_id=0,
+                                                     learnable_sink_init=0.5)),
 }
 
 

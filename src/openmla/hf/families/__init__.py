@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from .axk import AXK1
+from .axk import AXK1, AXK2
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
 from .family import Family, IndexerSpec
-from .glm import GLM4_MOE_LITE
+from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
+from .hunyuan import HY_V4
 from .minicpm3 import MINICPM3
 from .mistral4 import MISTRAL4
 from .refused import REFUSED, Refused
 from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
-    DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1,
+    DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
+    HY_V4,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 
