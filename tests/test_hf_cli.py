@@ -1,4 +1,4 @@
-"""``openmla generate`` on a tiny checkpoint folder, and ``openmla demo --model tiny-v3 | tiny-v32``."""
+"""``openmla generate`` on a tiny checkpoint folder, ``openmla models``, and ``openmla demo --model tiny-<family>``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from openmla.cli import main  # noqa: E402
-from openmla.hf import attach, generate  # noqa: E402
+from openmla.hf import attach, generate, presets  # noqa: E402
+from openmla.hf.families import FAMILIES, REFUSED  # noqa: E402
 from test_hf_generate import load, one_thread, save_tiny  # noqa: E402,F401  (one_thread: autouse fixture)
 
 
@@ -72,7 +73,32 @@ def test_generate_bad_input_is_an_error_line(folder, tmp_path, capsys):
     assert "cache holds 4" in flat(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("model,cache", [("tiny-v3", "same"), ("tiny-v32", "same"), ("tiny-v3", "fp8_ds_mla")])
+def test_generate_loads_the_class_config_json_names(tmp_path, capsys):
+    """Mistral 4's class is not AutoModelForCausalLM's: the folder's architectures pick it."""
+    model = presets.build("mistral4", "test")
+    model.save_pretrained(tmp_path)
+    attach(model, num_pages=8, page_size=16)
+    want = generate(model, [[5, 17, 3]], 4)[0]
+    rc = main(["generate", str(tmp_path), "--prompt-ids", "5,17,3", "--max-new-tokens", "4", "--dtype", "fp32", "--ignore-eos"])
+    out = flat(capsys.readouterr().out)
+    assert rc == 0, out
+    assert "Mistral4ForCausalLM" in out and " ".join(map(str, want)) in out
+
+
+def test_models_lists_every_family_with_its_dims(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for family in FAMILIES:
+        assert family.name in out and family.model_classes[0] in out
+    assert "H=40 L=256 R=32 Dn=64 Dv=64 q_lora 768" in out  # MiniCPM3
+    assert "H=20 L=512 R=64 Dn=192 Dv=256 q_lora 768" in out  # GLM-4.7-Flash
+    for gap in REFUSED.values():
+        assert gap.family in out
+
+
+@pytest.mark.parametrize("model,cache", [("tiny-v3", "same"), ("tiny-v32", "same"), ("tiny-v3", "fp8_ds_mla"),
+                                         ("tiny-kimi-k25", "same")])
 def test_demo_tiny_model_serves_every_request(capsys, model, cache):
     torch.manual_seed(0)
     rc = main(["demo", "--model", model, "--requests", "3", "--prompt-min", "8", "--prompt-max", "40", "--gen-max", "3",
@@ -81,3 +107,5 @@ def test_demo_tiny_model_serves_every_request(capsys, model, cache):
     assert rc == 0, out
     assert "0 in use at the end" in out and "pass" in out and "9 tokens" in out
     assert ("fp8 latent cache" in out) == (cache != "same")
+    assert "attention layers" in out
+    assert ("the fastest of transformers' implementations" in out) == (model != "tiny-v32")  # V3.2's demo has no MoE

@@ -2,7 +2,8 @@
 
 One test, parametrized over the families: a tiny random float32 model built from the family's
 config class with the family's real MLA dims (transformers' defaults for L, R, Dn, Dv and q LoRA)
-and 2 layers (a small MoE where the family has one). Greedy tokens must equal the unpatched
+and 2 layers (a small MoE where the family has one; top 8 keys for top-k families), from
+``openmla.hf.presets`` (size "test"). Greedy tokens must equal the unpatched
 model's ``generate(do_sample=False)`` for 4 prompts of different lengths (16 new tokens each),
 run in one continuous batch and one at a time, every step's logits within 1e-4 relative, and
 ``attach`` must share the model's parameters (same names, same data pointers).
@@ -17,72 +18,24 @@ transformers = pytest.importorskip("transformers")
 
 from cases import rel_err  # noqa: E402
 from openmla.hf import attach, detach, generate, is_attached  # noqa: E402
+from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import FAMILIES, REFUSED  # noqa: E402
-from test_hf_generate import NEW, TOL, VOCAB, one_thread, prompts_for, run_stream, transformers_greedy  # noqa: E402,F401
+from openmla.hf.presets import PRESETS  # noqa: E402
+from test_hf_generate import NEW, TOL, one_thread, prompts_for, run_stream, transformers_greedy  # noqa: E402,F401
 
-# initializer_range 0.1: wide enough for varied tokens, narrow enough that the 1536-wide q LoRA of some
-# families keeps float32 logits within 1e-4 of transformers' (0.2 gave 1.8e-4 on Youtu)
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=False)
-MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1)
-TOPK = dict(index_topk=8, index_n_heads=4)
+# DeepSeek-V2, V3 and V3.2 have their own, wider tests (test_hf_generate.py)
+CASES = [name for name in PRESETS if name not in ("deepseek_v2", "deepseek_v3", "deepseek_v32")]
 
 
-def _text(**extra):
-    return {**SMALL, **extra}
+def build(case: str):
+    return presets.build(case, "test")
 
 
-# family -> (model class, config class, keyword arguments): MLA dims are the config class's defaults unless given.
-CASES = {
-    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", _text(**MOE)),  # L=512 R=64 Dn=192 Dv=256 q_lora=768
-    "youtu": ("YoutuForCausalLM", "YoutuConfig", _text()),  # L=512 R=64 Dn=128 Dv=128 q_lora=1536, dense
-    "axk1": ("AXK1ForCausalLM", "AXK1Config", _text(**MOE, rope_interleave=False)),  # V3 dims, half-split rope
-    "minicpm3": ("MiniCPM3ForCausalLM", "MiniCPM3Config", _text(v_head_dim=64)),  # L=256 R=32 Dn=64 Dv=64, half-split rope
-    # L=256 R=64 Dn=64 Dv=128 q_lora=1024; a short original length so the Llama-4 query scale steps within the prompts
-    "mistral4": ("Mistral4ForCausalLM", "Mistral4Config", _text(**MOE, max_position_embeddings=256, rope_parameters=dict(
-        rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=16, beta_fast=32.0,
-        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=0.5))),
-    "sarvam_mla": ("DeepseekV3ForCausalLM", "SarvamMLAConfig", _text(**MOE)),  # L=512 R=64 Dn=128 Dv=128, q_proj
-    # DeepSeek-V3's text model (L=512 R=64 Dn=128 Dv=128 q_lora=1536) under a tiny vision tower
-    "kimi_k25": ("Kimi_K25ForConditionalGeneration", "Kimi_K25Config", None),
-    # top-k families: top 8 keys per token (prompts reach 65 keys), 4 index heads of the real width
-    # L=128 R=32 Dn=64 Dv=64 q_lora=384: query gate from q_gate_proj
-    "axk2": ("AXK2ForCausalLM", "AXK2Config", _text(**MOE, **TOPK, gated_norm_rank=8)),
-    # L=512 R=64 Dn=192 Dv=256 q_lora=2048; layer 1 reuses layer 0's picks
-    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", _text(**MOE, **TOPK, first_k_dense_replace=1,
-                                                                      indexer_types=["full", "shared"])),
-    # L=512 R=64 Dn=192 Dv=256 q_lora=1536; output gate, sinks, 2 hyper-connection streams, layer 1 reuses picks
-    "hy_v4": ("HYV4ForCausalLM", "HYV4Config", _text(**MOE, **TOPK, indexer_types=["full", "shared"], hc_mult=2, pad_token_id=0,
-                                                     learnable_sink_init=0.5)),
-}
+def test_every_supported_family_has_a_preset():
+    assert {f.name for f in FAMILIES} <= set(PRESETS)
 
 
-def family_config(case: str):
-    _, cls, kwargs = CASES[case]
-    if case == "kimi_k25":
-        text = dict(model_type="deepseek_v3", **_text(**MOE), q_lora_rank=1536, rope_interleave=True)
-        vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=4,
-                      pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
-        return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
-                                           tie_word_embeddings=False)
-    return getattr(transformers, cls)(**kwargs)
-
-
-def build(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    config = family_config(case)
-    model = getattr(transformers, CASES[case][0])._from_config(config, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # every token (a random model may emit any id)
-    return model
-
-
-def test_every_supported_family_has_a_case():
-    tested = {"deepseek_v2", "deepseek_v3", "deepseek_v32"}  # test_hf_generate.py
-    tested |= {f.name for f in FAMILIES if f.name in CASES or set(f.model_types) & set(CASES)}
-    assert tested >= {f.name for f in FAMILIES}
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASES)
 def test_family_tokens_equal_transformers(case):
     model = build(case)
     prompts = prompts_for()
@@ -151,6 +104,6 @@ def test_attach_refuses_what_it_does_not_reproduce(what):
     model = build(case)
     edit(model)
     originals, impl = [layer.self_attn for layer in model.model.layers], model.config._attn_implementation
-    with pytest.raises(ValueError, match=f"{CASES[case][0]}: .*{message}"):
+    with pytest.raises(ValueError, match=f"{PRESETS[case].model_class}: .*{message}"):
         attach(model, num_pages=4)
     _unchanged(model, originals, impl)

@@ -1,4 +1,4 @@
-"""``openmla demo | bench | check | build | generate``: the main job, the benchmarks, a smoke test for a
+"""``openmla demo | bench | check | build | generate | models``: the main job, the benchmarks, a smoke test for a
 new machine, the ahead-of-time build of the native CPU kernels, and whole models."""
 
 from __future__ import annotations
@@ -199,13 +199,16 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 # entry point --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from .hf.presets import DEMO_MODELS  # the whole-model demos (built with transformers when run)
+
     p = argparse.ArgumentParser(prog="openmla", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="serve a stream of requests through one MLA layer (continuous batching)")
-    d.add_argument("--model", default="layer", choices=["layer", "tiny-v3", "tiny-v32"],
+    d.add_argument("--model", default="layer", choices=["layer", *DEMO_MODELS],
                    help="layer: one attention layer (default); tiny-v3: a small random whole DeepSeek-V3-shaped model; "
-                        "tiny-v32: the same with DeepSeek-V3.2's top-k sparse attention")
+                        "tiny-v32: the same with DeepSeek-V3.2's top-k sparse attention; tiny-<family>: another "
+                        "transformers MLA family (openmla models)")
     d.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     d.add_argument("--heads", type=int, default=16, help="query heads in this shard (default 16: V3 over TP=8)")
     d.add_argument("--requests", type=int, default=24)
@@ -250,9 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--verbose", action="store_true", help="show the compiler's output")
     k.set_defaults(func=cmd_build)
 
-    from .hf.cli import add_generate_parser  # openmla generate MODEL_DIR (needs transformers when run)
+    from .hf.cli import add_generate_parser, add_models_parser  # openmla generate / models (need transformers when run)
 
     add_generate_parser(sub, DTYPES, CACHE_DTYPES)
+    add_models_parser(sub)
     return p
 
 

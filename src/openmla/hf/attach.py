@@ -26,6 +26,7 @@ from .attention import AttachedAttention
 from .checks import check_attention, layer_config
 from .families import Family, family_of
 from .rope import RopeTable, rope_limit
+from .stats import AttentionClock
 
 ATTN_IMPLEMENTATION = "openmla"
 _ATTR = "_openmla_attachment"
@@ -46,6 +47,7 @@ class Attachment:
     family: Family | None = None
     vocab_size: int = 0
     rope: RopeTable | None = None
+    clock: AttentionClock | None = None  # time in the attention layers, while generate/stream record stats
 
 
 def _not_attached(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -157,7 +159,8 @@ def attach(
     cache = PagedLatentCache(len(layers), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
                              device=weight.device, rope_dim=config.qk_rope_head_dim)
     scale = family.query_scale(hf_config) if family.query_scale is not None else None
-    attached = [AttachedAttention.adopt(m, config, i, family, rope, query_scale=scale, backend=backend)
+    clock = AttentionClock(weight.device)
+    attached = [AttachedAttention.adopt(m, config, i, family, rope, clock, query_scale=scale, backend=backend)
                 for i, m in enumerate(originals)]
     indexers = [m for m in attached if m.indexer is not None]
     index_keys, index_topk = None, 0
@@ -179,7 +182,7 @@ def attach(
     for layer, module in zip(layers, attached):
         layer.self_attn = module
     setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
-                                     family, int(hf_config.vocab_size), rope))
+                                     family, int(hf_config.vocab_size), rope, clock))
     return cache
 
 

@@ -26,6 +26,7 @@ from ..planning import MLAPlan
 from .families import Family
 from .indexer import IndexStep, select_keys
 from .rope import RopeTable
+from .stats import AttentionClock
 
 STEP_KWARG = "openmla_step"  # the keyword the attention context travels under through transformers' layers
 INDEX_KWARG = "openmla_index_step"  # and the step's IndexStep, for models with a top-k indexer (V3.2)
@@ -41,7 +42,8 @@ class AttachedAttention(LatentAttention):
     index_keys: torch.Tensor | None = None
 
     @classmethod
-    def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, family: Family, rope: RopeTable, *,
+    def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, family: Family, rope: RopeTable,
+              clock: AttentionClock, *,
               query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
               backend: str | None = None) -> "AttachedAttention":
         """Build on the meta device (no throw-away weights), then take ``module``'s submodules and parameters."""
@@ -55,7 +57,7 @@ class AttachedAttention(LatentAttention):
         for name, param in module.named_parameters(recurse=False):  # Hunyuan's sinks
             setattr(layer, name, param)
         layer.indexer = getattr(module, "indexer", None)
-        layer.family, layer.rope, layer.query_scale = family, rope, query_scale
+        layer.family, layer.rope, layer.clock, layer.query_scale = family, rope, clock, query_scale
         layer.freqs_cis = None  # the rope comes from ``rope``, the model's own table
         layer.split_kv_b()  # w_k, w_uk, w_uv become real tensors, derived from the adopted kv_b_proj
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
@@ -78,7 +80,14 @@ class AttachedAttention(LatentAttention):
                              "(or openmla.hf.forward_step), or call openmla.hf.detach(model) first")
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
-        hidden = hidden_states[0]
+        if not self.clock.on:
+            return self._forward(hidden_states[0], step, kwargs)
+        t0 = self.clock.now()
+        out = self._forward(hidden_states[0], step, kwargs)
+        self.clock.layers += self.clock.now() - t0
+        return out
+
+    def _forward(self, hidden: torch.Tensor, step: Any, kwargs: dict) -> tuple:
         step = self.check_step(hidden, step, {})
         q, q_resid, gate = self._query(hidden, step)
         picks = None
@@ -133,11 +142,14 @@ class AttachedAttention(LatentAttention):
         kv = self.kv_a_proj_with_mqa(hidden)
         sink = self.sinks.float() if f.sinks else None
         table = self.rope.table(step.max_position, hidden.device)
+        t0 = self.clock.now() if self.clock.on else 0.0
         if hasattr(self, "weights"):  # LayerWeights: run(q, kv, layer_idx, weights, freqs_cis)
             out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
         else:  # the split tensors one by one (until LayerWeights lands everywhere)
             out = step.run(q, kv, table, self.kv_a_layernorm.weight, self.layer_idx, self.w_k, self.w_uk, self.w_uv,
                            epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, attn_sink=sink)
+        if self.clock.on:
+            self.clock.kernels += self.clock.now() - t0
         if gate is not None:
             if f.gate_in_float32:
                 out = (out * torch.sigmoid(gate.float())).to(out.dtype)

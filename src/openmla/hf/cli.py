@@ -1,4 +1,4 @@
-"""The ``openmla generate`` command and ``openmla demo --model tiny-v3 | tiny-v32``: whole models on the command line."""
+"""``openmla generate``, ``openmla models`` and ``openmla demo --model tiny-<family>``: whole models on the command line."""
 
 from __future__ import annotations
 
@@ -75,12 +75,29 @@ def _prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=True)["input_ids"] for t in args.prompt]
 
 
+def load_model(folder: str, dtype: torch.dtype):
+    """The checkpoint in ``folder``, offline: the class its config.json names when that class is one a
+    supported family attaches to (some, like Mistral 4's, are not ``AutoModelForCausalLM``'s), else
+    ``AutoModelForCausalLM``'s choice."""
+    import json
+
+    import transformers
+
+    from .families import FAMILIES
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        names = json.load(f).get("architectures") or []
+    known = {cls for family in FAMILIES for cls in family.model_classes}
+    cls = next((getattr(transformers, n) for n in names if n in known and hasattr(transformers, n)), transformers.AutoModelForCausalLM)
+    return cls.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from ..cli import DTYPES, _cache_dtype, console
-    from . import GenerationStats, Limits, Sampling, attach, stream
+    from . import GenerationStats, Limits, Sampling, attach, attachment, stream
 
     folder = args.model_dir
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -91,17 +108,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens: expected a positive int, got {args.max_new_tokens}")
     tokenizer, note = _load_tokenizer(folder)
     prompts = _prompts(args, tokenizer)
-    from transformers import AutoModelForCausalLM
-
     t_load = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], local_files_only=True).eval()
+    model = load_model(folder, DTYPES[args.dtype])
     t_load = time.perf_counter() - t_load
     eos = None if args.ignore_eos else (args.eos_id or model.generation_config.eos_token_id)
     num_pages = args.num_pages
     if num_pages is None:
         num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in prompts)
     cache = attach(model, num_pages=num_pages, page_size=args.page_size, cache_dtype=_cache_dtype(args), backend=args.backend)
-    console.print(f"[bold]openmla generate[/]: {type(model).__name__} from {folder} ({model.config.num_hidden_layers} layers, "
+    console.print(f"[bold]openmla generate[/]: {type(model).__name__} from {folder} ({len(attachment(model).layers)} layers, "
                   f"{args.dtype}, loaded in {t_load:.1f} s); {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens; "
                   f"cache {num_pages} pages x {args.page_size} ({cache.cache_format}); {torch.get_num_threads()} threads")
     if note:
@@ -136,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_model_demo(args: argparse.Namespace) -> int:
-    """``openmla demo --model tiny-v3 | tiny-v32``."""
+    """``openmla demo --model tiny-<family>``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -145,7 +160,7 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
 
     dtype = _model_dtype(args)  # --dtype auto: bf16 where this CPU multiplies it at full speed
     max_new = args.gen_max
-    console.print(f"[bold]openmla demo --model {args.model}[/]: a random whole DeepSeek-V3-shaped transformers model on openmla, "
+    console.print(f"[bold]openmla demo --model {args.model}[/]: a random whole transformers MLA model on openmla, "
                   f"{_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
     console.print(f"serving {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, {max_new} generated each, "
                   f"at most {args.max_running} running")
@@ -173,6 +188,15 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     facts.add_row("generated", f"{st.generated_tokens} tokens, {st.tokens_per_s:,.1f} tokens/s")
     facts.add_row("cache pages", f"peak {st.peak_pages} of {report.num_pages} (page {report.page_size}), "
                   f"{report.pages_in_use_at_end} in use at the end, {st.preemptions} preemptions")
+    if st.seconds:
+        attn, kern = st.attention_seconds / st.seconds, st.kernel_seconds / st.seconds
+        facts.add_row("step time", f"attention layers {attn:.0%} (openmla's cache write and attention kernels {kern:.0%}; "
+                      f"projections, indexer, gates {attn - kern:.0%}); the rest {1 - attn:.0%} (MoE / MLP, norms, "
+                      "embeddings, lm_head, sampling, scheduling)")
+    if report.experts is not None and report.experts.chosen is not None:
+        timed = ", ".join(f"{k} {v:.2f} s" if v < float("inf") else f"{k} unavailable" for k, v in report.experts.seconds.items())
+        facts.add_row("MoE experts", f"{report.experts.chosen}, the fastest of transformers' implementations for this run's "
+                      f"steps (estimated from one MoE block: {timed})")
     # top-k selection in bf16/fp16: near-ties at the cut can pick other keys than transformers does
     # (7% seen at a 458-token prompt, top 64); float32 checks the sparse model at 1e-4 too. An fp8
     # latent cache rounds every entry to e4m3 (transformers keeps them exact): 4-12% seen.
@@ -186,3 +210,50 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
     console.print(facts)
     return 0 if report.check_error <= tol else 1
+
+
+def add_models_parser(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("models", help="the transformers MLA families openmla.hf runs, with their MLA dims, and those it refuses")
+    m.set_defaults(func=cmd_models)
+
+
+def family_dims(family) -> str:
+    """The MLA dims of ``family``'s flagship checkpoint (its transformers config class's defaults)."""
+    import transformers
+
+    from .presets import PRESETS
+
+    preset = PRESETS.get(family.name) or PRESETS["deepseek_v3"]
+    config = getattr(transformers, preset.config_class)().get_text_config()
+    q = f"q_lora {config.q_lora_rank}" if config.q_lora_rank else "q_proj"
+    return (f"H={config.num_attention_heads} L={config.kv_lora_rank} R={config.qk_rope_head_dim} "
+            f"Dn={config.qk_nope_head_dim} Dv={config.v_head_dim} {q}")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from ..cli import console
+    from .families import FAMILIES, REFUSED
+    from .presets import DEMO_MODELS
+
+    demos = {family: name for name, family in DEMO_MODELS.items() if family}
+    demos.update({"deepseek_v3": "tiny-v3", "deepseek_v32": "tiny-v32"})
+    table = Table(title="transformers MLA families openmla.hf runs (attach, generate, stream, openmla generate)")
+    for col in ("family", "model class", "MLA dims (transformers' defaults)", "attention features", "demo"):
+        table.add_column(col)
+    for family in FAMILIES:
+        table.add_row(family.name + "".join(f", {t}" for t in family.model_types if t != family.name),
+                      ", ".join(family.model_classes), family_dims(family), family.features(), demos.get(family.name, ""))
+    console.print(table)
+    refused = Table(title="MLA families attach refuses (ValueError), and what openmla lacks for them")
+    refused.add_column("family")
+    refused.add_column("model class")
+    refused.add_column("gap")
+    by_family: dict = {}
+    for cls, gap in REFUSED.items():
+        by_family.setdefault(gap, []).append(cls)
+    for gap, classes in by_family.items():
+        refused.add_row(gap.family, ", ".join(classes), gap.gap)
+    console.print(refused)
+    return 0

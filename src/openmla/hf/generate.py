@@ -103,12 +103,15 @@ def stream(
 
 def _run(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos: frozenset[int],
          limits: Limits, stats: GenerationStats | None, return_logits: bool) -> Iterator[TokenEvent]:
-    cache = attachment(model).cache
+    state = attachment(model)
+    cache, clock = state.cache, state.clock
     run = next(_RUNS)
     sched = Scheduler(cache, limits)
     for i, p in enumerate(prompts):
         sched.add(Sequence(i, ("openmla.hf", run, i), p, len(p)))
     generator = sampling.generator(cache.blocks.device)
+    clock.on = stats is not None
+    clock.take()
     try:
         while not sched.done:
             t0 = time.perf_counter()
@@ -127,11 +130,13 @@ def _run(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampli
                 events.append(TokenEvent(s.index, tok, reason, logits[j].float() if return_logits else None))
             if stats is not None:
                 stats.steps.append(StepRecord(len(step.seqs), step.num_tokens - step.decode_tokens, step.decode_tokens,
-                                              sum(step.batch.cache_lengths_list), pages, time.perf_counter() - t0))
+                                              sum(step.batch.cache_lengths_list), pages, time.perf_counter() - t0,
+                                              *clock.take()))
                 stats.generated_tokens += len(tokens)
                 stats.preemptions = sched.preemptions
             yield from events
     finally:
+        clock.on = False
         sched.release_all()
 
 

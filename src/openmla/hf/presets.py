@@ -1,0 +1,96 @@
+"""Small random models of every supported family: the family's real MLA dims, few heads and layers.
+
+``family_config(name, size)`` builds a transformers config from the family's config class, keeping
+the class's defaults for the MLA dims (L, R, Dn, Dv, q LoRA: the flagship checkpoint's) and
+shrinking the rest: ``"test"`` (hidden 64, 2 layers, 2 heads, vocab 256: the CI's equivalence
+tests) or ``"demo"`` (hidden 1024, 4 layers, 8 heads, vocab 8192: ``openmla demo --model tiny-<family>``).
+A family with a MoE gets a small one; a top-k family keeps 8 (test) or 64 (demo) keys per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_class: str  # transformers class to build
+    config_class: str
+    extra: dict = field(default_factory=dict)  # family-specific keywords (both sizes)
+    moe: bool = True
+    topk: bool = False
+
+
+_YARN_MISTRAL4 = dict(rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=16, beta_fast=32.0,
+                      beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=0.5)
+
+PRESETS: dict[str, Preset] = {
+    "deepseek_v2": Preset("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(topk_method="group_limited_greedy")),
+    "deepseek_v3": Preset("DeepseekV3ForCausalLM", "DeepseekV3Config"),
+    "sarvam_mla": Preset("DeepseekV3ForCausalLM", "SarvamMLAConfig"),  # V3's class, q_proj (no q LoRA)
+    "deepseek_v32": Preset("DeepseekV32ForCausalLM", "DeepseekV32Config", moe=False, topk=True),
+    "kimi_k25": Preset("Kimi_K25ForConditionalGeneration", "Kimi_K25Config"),  # V3 text model, tiny vision tower
+    "glm4_moe_lite": Preset("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig"),
+    "youtu": Preset("YoutuForCausalLM", "YoutuConfig", moe=False),
+    "axk1": Preset("AXK1ForCausalLM", "AXK1Config", dict(rope_interleave=False)),
+    "minicpm3": Preset("MiniCPM3ForCausalLM", "MiniCPM3Config", dict(v_head_dim=64), moe=False),  # Dv of MiniCPM3-4B
+    # a short original length: the Llama-4 query scale steps within short prompts
+    "mistral4": Preset("Mistral4ForCausalLM", "Mistral4Config", dict(max_position_embeddings=256, rope_parameters=_YARN_MISTRAL4)),
+    "axk2": Preset("AXK2ForCausalLM", "AXK2Config", dict(gated_norm_rank=8), topk=True),
+    "glm_moe_dsa": Preset("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", dict(first_k_dense_replace=1), topk=True),
+    "hy_v4": Preset("HYV4ForCausalLM", "HYV4Config", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
+}
+
+_SIZES = {
+    # initializer_range 0.1: varied tokens, and float32 logits of the 1536-wide q LoRA families within 1e-4 of transformers'
+    "test": dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, initializer_range=0.1),
+    "demo": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=8, initializer_range=0.02),
+}
+_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)  # the real ids are outside the vocab
+_MOE = {
+    "test": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1),
+    "demo": dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, n_shared_experts=1, n_group=1, topk_group=1),
+}
+_TOPK = {"test": dict(index_topk=8, index_n_heads=4), "demo": dict(index_topk=64, index_n_heads=16)}
+_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=4,
+               pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+
+
+def family_config(name: str, size: str = "test") -> Any:
+    """A transformers config of family ``name`` (a key of ``PRESETS``) at ``size`` (``"test"`` or ``"demo"``)."""
+    import transformers
+
+    if name not in PRESETS or size not in _SIZES:
+        raise ValueError(f"name/size: expected one of {sorted(PRESETS)} and {sorted(_SIZES)}, got {name!r}, {size!r}")
+    p = PRESETS[name]
+    kwargs = dict(_SIZES[size], **_IDS, **(_MOE[size] if p.moe else {}), **(_TOPK[size] if p.topk else {}), **p.extra)
+    if p.topk and "indexer_types" in getattr(transformers, p.config_class).__dataclass_fields__:
+        kwargs["indexer_types"] = ["full", "shared"] * (kwargs["num_hidden_layers"] // 2)  # every other layer reuses picks
+    if name == "kimi_k25":
+        text = dict(model_type="deepseek_v3", **kwargs, q_lora_rank=1536, rope_interleave=True)
+        vision = dict(_VISION)
+        return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32, **_IDS)
+    return getattr(transformers, p.config_class)(**kwargs)
+
+
+def build(name: str, size: str = "test", *, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A random model of family ``name`` in eval mode; ``generation_config.eos_token_id`` is None (a random
+    model may emit any id: every run generates all its tokens)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = family_config(name, size)
+    model = getattr(transformers, PRESETS[name].model_class)._from_config(config, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# ``openmla demo --model NAME`` -> the preset family (None: tiny-v3 / tiny-v32, openmla.hf.demo's own DeepSeek configs)
+DEMO_MODELS: dict[str, str | None] = {"tiny-v3": None, "tiny-v32": None} | {
+    "tiny-" + name.replace("_", "-"): name for name in PRESETS if name not in ("deepseek_v3", "deepseek_v32")
+}
