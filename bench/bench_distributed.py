@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from openmla import LatentAttention, preset  # noqa: E402
+from openmla import distributed  # noqa: E402
 from openmla.distributed import ContextParallelCache, TensorParallelAttention, init_grid  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "distributed.json"
@@ -61,7 +62,7 @@ def run_grid(grid, cfg, whole: LatentAttention, context: int, batch: int, reps: 
     def step(seq_ids, counts) -> tuple[float, int, int]:
         sent0 = stats.bytes_sent
         b = cache.prepare(seq_ids, counts)
-        plan = cache.plan(b, scale=cfg.softmax_scale)
+        plan = distributed.plan(b, scale=cfg.softmax_scale)
         agreed = stats.bytes_sent - sent0
         hidden = torch.randn(sum(counts), cfg.hidden_size, generator=g).bfloat16()
         dist.barrier(group=grid.group)

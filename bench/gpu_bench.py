@@ -51,8 +51,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
+import openmla  # noqa: E402
 from openmla import CacheBatch  # noqa: E402
-from openmla.backends.triton import _common, api  # noqa: E402
+from openmla.backends.triton import _common  # noqa: E402
+from openmla.cache import HostLists  # noqa: E402
 from openmla.backends.triton.decode import decode_config, decode_into, default_num_splits  # noqa: E402
 from openmla.backends.triton.prefill import flare_prefill_into, gather_up_project, prefill_config  # noqa: E402
 from openmla.fp8 import FP8, ds_mla_record_bytes  # noqa: E402
@@ -170,7 +172,7 @@ def random_batch(cache_lens: list[int], new_lens: list[int], page: int, gen: tor
     batch = CacheBatch(blocks, table, torch.tensor(cache_lens, dtype=torch.int32, device=DEV),
                        torch.tensor(offsets, dtype=torch.int32, device=DEV), page, cache_format=cache_format,
                        kv_scale=torch.full((1,), KV_SCALE, device=DEV) if cache_format == "fp8_e4m3" else None, rope_dim=R)
-    batch._host.update(cache=list(cache_lens), offsets=offsets)
+    batch._host = HostLists(list(cache_lens), offsets)
     if cache_format != "native":
         rows = num_pages * page
         for r0 in range(0, rows, 1 << 16):  # bounded float32 staging
@@ -307,9 +309,10 @@ def bench_prefill(B: int, n: int, ceil: dict, config: dict | None = None, full_p
         del k_nope, v
         up_flops = 2 * T * L * H * (Dn + Dv)
 
+        step = openmla.plan(batch, scale=scale, backend="triton")  # the host work once, as a model step does
+
         def full():
-            api.prefill(q, batch, 0, w_k, w_uv, scale=scale, mask=mask, sparse_indices=None, topk_lengths=None,
-                        physical_indices=True, attn_sink=None, buffer_size=None)
+            step.prefill(q, 0, w_k, w_uv)
 
         t = time_ms(full, iters=max(2, ITERS // 4))
         tf = (attn_flops + up_flops) / (t["median_ms"] * 1e-3) / 1e12
@@ -325,7 +328,8 @@ def bench_write(T: int, ceil: dict) -> dict:
     kv = torch.randn(T, L + R, device=DEV, dtype=BF16, generator=gen)
     freqs = torch.randn(T, R, device=DEV, generator=gen)
     gamma = torch.ones(L, device=DEV, dtype=BF16)
-    t = time_ms(lambda: api.write_cache(q, kv, freqs, gamma, batch, 0, 1e-6, True))
+    step = openmla.plan(batch, scale=1.0, backend="triton")
+    t = time_ms(lambda: step.write_cache(q, kv, freqs, gamma, 0))
     moved = 2 * q.numel() * 2 + kv.numel() * 2 + T * (L + R) * 2 + freqs.numel() * 4
     gbps = moved / (t["median_ms"] * 1e-3) / 1e9
     return {"T": T, "H": H, **t, "bytes": moved, "GBps": gbps, "frac_copy_bw": gbps / ceil["copy"]["GBps"]}

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 import openmla
+from openmla.cache import HostLists
 from openmla import CacheBatch, CacheFullError, MlaConfigV2, PagedLatentCache
 from openmla.layer import LatentAttention
 from openmla.testing import Case, make_case, small_config
@@ -45,7 +46,7 @@ def edited(batch: CacheBatch, **fields) -> CacheBatch:
 
 def replaced(batch: CacheBatch, **fields) -> CacheBatch:
     """A new CacheBatch with some fields replaced (runs the constructor's checks)."""
-    return dataclasses.replace(batch, _host={}, **fields)
+    return dataclasses.replace(batch, _host=HostLists(), **fields)
 
 
 # Values that are not what an argument wants ------------------------------------------------
@@ -341,7 +342,7 @@ OTHER_OPS = [
     Bad("plan max_chunks", ("max_chunks",), plan_call(max_chunks=lambda c, d: d([0, 1, 1.5, None]))),
     Bad("plan batch", ("kv_collection",), plan_call(kv_collection=lambda c, d: d([None, "b"]))),
     Bad("plan cache_lengths float", ("kv_collection.cache_lengths", "kv_collection"),
-        plan_call(kv_collection=lambda c, d: dataclasses.replace(c.batch, cache_lengths=c.batch.cache_lengths.float(), _host={}))),
+        plan_call(kv_collection=lambda c, d: dataclasses.replace(c.batch, cache_lengths=c.batch.cache_lengths.float(), _host=HostLists()))),
     Bad("merge o shape", ("o_a", "o_b", "lse_a", "lse_b"), merge_call("o_b", lambda t, d: cut(d, t))),
     Bad("merge lse shape", ("o_a", "o_b", "lse_a", "lse_b"), merge_call("lse_a", lambda t, d: cut(d, t))),
     Bad("merge not a tensor", ("o_a", "o_b", "lse_a", "lse_b"), merge_call("o_a", lambda t, d: not_a_tensor(d, t))),

@@ -22,6 +22,14 @@ from cpu_backends import use_backend
 
 # Two column blocks of the kernel (256 + 64) for absorb; widths off every vector size.
 DIMS = dict(L=320, R=16, Dn=48, Dv=40)
+
+
+def packed_dtype() -> torch.dtype:
+    """The dtype the per-head kernel runs natively here: bfloat16 where the CPU has bf16 brgemm
+    (AVX512-BF16, AMX), float32 elsewhere (bfloat16 inputs then take combine's matmuls)."""
+    from openmla.backends.cpu import kernels
+
+    return torch.bfloat16 if kernels.bf16_gemm() else torch.float32
 DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
 
 
@@ -32,9 +40,9 @@ def native(monkeypatch):
 
 @pytest.fixture
 def api():
-    from openmla.backends.cpu import api
+    from openmla.backends import load_backend
 
-    return api
+    return load_backend("cpu")
 
 
 def weights(H, L, Dn, Dv, dtype, seed):
@@ -138,9 +146,10 @@ def test_new_weight_at_a_freed_address(api):
 
     H, (L, R, Dn, Dv) = 4, DIMS.values()
     g = torch.Generator().manual_seed(9)
-    q_rot = torch.randn(3, H, Dn + R, generator=g).bfloat16()
-    out_lat = torch.randn(3, H, L, generator=g).bfloat16()
-    w_uk, w_uv = weights(H, L, Dn, Dv, torch.bfloat16, 9)
+    dtype = packed_dtype()
+    q_rot = torch.randn(3, H, Dn + R, generator=g).to(dtype)
+    out_lat = torch.randn(3, H, L, generator=g).to(dtype)
+    w_uk, w_uv = weights(H, L, Dn, Dv, dtype, 9)
     check(api, q_rot, out_lat, w_uk, w_uv, 9)
     keys = [packed._key(w) for w in (w_uk, w_uv)]
     assert all(k in packed._entries for k in keys)
@@ -148,7 +157,7 @@ def test_new_weight_at_a_freed_address(api):
     gc.collect()
     assert not any(k in packed._entries for k in keys), "a freed weight drops its packed copy"
     for seed in (10, 11):  # the allocator hands the same blocks back, typically at the same addresses
-        w_uk, w_uv = weights(H, L, Dn, Dv, torch.bfloat16, seed)
+        w_uk, w_uv = weights(H, L, Dn, Dv, dtype, seed)
         check(api, q_rot, out_lat, w_uk, w_uv, seed, f" (seed {seed})")
         del w_uk, w_uv
 
@@ -189,10 +198,8 @@ def test_plan_run_decode_form(dtype, H):
     """plan.run with the cpu backend (absorb, decode, unabsorb all native) vs the reference."""
     case = make_case([0, 37, 300, 5], [1, 1, 1, 1], config=small_config(num_heads=H, **DIMS), page_size=16, dtype=dtype)
     mirror = case.clone_cache()
-    args = (case.q, case.kv, case.freqs_cis, case.gamma, case.layer_idx, case.w_k, case.w_uk, case.w_uv)
-    got = openmla.plan(case.batch, scale=case.scale, backend="cpu").run(*args, return_lse=True)
-    margs = (mirror.q, mirror.kv, mirror.freqs_cis, mirror.gamma, mirror.layer_idx, mirror.w_k, mirror.w_uk, mirror.w_uv)
-    want = openmla.plan(mirror.batch, scale=case.scale, backend="reference").run(*margs, return_lse=True)
+    got = openmla.plan(case.batch, scale=case.scale, backend="cpu").run(*case.run_args(), return_lse=True)
+    want = openmla.plan(mirror.batch, scale=case.scale, backend="reference").run(*mirror.run_args(), return_lse=True)
     assert got[0].shape == (4, H, DIMS["Dv"]) and got[0].dtype == dtype
     assert_close(got[0], want[0], TOL[dtype], "fused out", case.seed)
     assert_lse(got[1], want[1], TOL[dtype], case.seed)
@@ -200,14 +207,14 @@ def test_plan_run_decode_form(dtype, H):
 
 def test_plan_run_uses_the_native_kernels(monkeypatch):
     """The plan picks the cpu backend's own absorb/unabsorb (not combine's)."""
-    from openmla.backends.cpu import api as cpu_api
+    from openmla.backends.cpu.backend import CpuBackend
 
     calls = []
     for name in ("absorb", "unabsorb"):
-        real = getattr(cpu_api, name)
-        monkeypatch.setattr(cpu_api, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+        real = getattr(CpuBackend, name)
+        monkeypatch.setattr(CpuBackend, name, lambda self, *a, real=real, name=name: calls.append(name) or real(self, *a))
     monkeypatch.setattr(combine, "absorb", lambda *a: pytest.fail("combine.absorb ran"))
-    case = make_case([20, 3], [1, 1], config=small_config(num_heads=4), dtype=torch.bfloat16)
+    case = make_case([20, 3], [1, 1], config=small_config(num_heads=4), dtype=packed_dtype())
     step = openmla.plan(case.batch, scale=case.scale, backend="cpu")
-    step.run(case.q, case.kv, case.freqs_cis, case.gamma, case.layer_idx, case.w_k, case.w_uk, case.w_uv)
+    step.run(*case.run_args())
     assert calls == ["absorb", "unabsorb"]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from openmla import CacheFullError, LatentAttention, MLAConfig, PagedLatentCache, YarnScaling
+from openmla import distributed
 from openmla.distributed import ContextParallelCache, TensorParallelAttention, TokenLayout, init_grid
 from openmla.testing import MASK_CASES, assert_close, assert_lse, rel_err
 
@@ -190,13 +191,13 @@ def _run_steps(grid, s: dict, seed: int) -> None:
             want = ref_layer(hidden, ref_plan)
             if s.get("expect_error"):
                 try:
-                    cache.plan(cb, scale=cfg.softmax_scale, **opts)
+                    distributed.plan(cb, scale=cfg.softmax_scale, **opts)
                 except ValueError as exc:
                     assert s["expect_error"] in str(exc), str(exc)
                     return
                 raise AssertionError(f"no error naming {s['expect_error']}")
             # Layers 0 and 1 of one plan: the same lists serve every layer.
-            step = cache.plan(cb, scale=cfg.softmax_scale, **opts)
+            step = distributed.plan(cb, scale=cfg.softmax_scale, **opts)
             got = layer(hidden, step)
         err = rel_err(got, want)
         assert err <= TOL, f"step {i}: rel err {err:.3g} > {TOL}"
@@ -211,14 +212,11 @@ def _run_steps(grid, s: dict, seed: int) -> None:
 def _check_direct(ref_layer: LatentAttention, ref_plan, step, hidden: torch.Tensor) -> None:
     """``ContextParallelPlan.run`` with every kv row and ``return_lse`` against ``MLAPlan.run`` (tp=1:
     the same heads). Both rewrite the step's entries with the same values."""
-    c = ref_layer.config
     with torch.inference_mode():
         q, kv = ref_layer.project_q(hidden), ref_layer.kv_a_proj_with_mqa(hidden)
-        args = (q, kv, ref_layer.freqs_cis, ref_layer.kv_a_layernorm.weight, ref_layer.layer_idx, ref_layer.w_k, ref_layer.w_uk,
-                ref_layer.w_uv)
-        kw = dict(epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, return_lse=True)
-        want, want_lse = ref_plan.run(*args, **kw)
-        got, got_lse = step.run(*args, **kw)
+        args = (q, kv, ref_layer.layer_idx, ref_layer.weights, ref_layer.freqs_cis)
+        want, want_lse = ref_plan.run(*args, return_lse=True)
+        got, got_lse = step.run(*args, return_lse=True)
     assert_close(got, want, TOL, "direct run", 0)
     assert_lse(got_lse, want_lse, TOL, 0)
 
@@ -267,7 +265,7 @@ def _bad_input(grid) -> None:
     batch = cache.prepare(["a"], [9])
     window = 0 if grid.rank == 1 else 5  # rank 1's scheduler passes a bad window
     words = ("window_size",) if grid.rank == 1 else ("rank 1", "window_size")
-    dt = _expect(ValueError, lambda: cache.plan(batch, scale=cfg.softmax_scale, mask="sliding_window_causal", window_size=window), *words)
+    dt = _expect(ValueError, lambda: distributed.plan(batch, scale=cfg.softmax_scale, mask="sliding_window_causal", window_size=window), *words)
     assert dt < 10, f"took {dt:.1f} s"
 
 
@@ -296,7 +294,7 @@ def _stops_answering(grid) -> None:
     _, layer = _layers(grid, cfg, 0)
     _, cache = _caches(grid, cfg, 4, None)
     batch = cache.prepare(["a"], [9])
-    step = cache.plan(batch, scale=cfg.softmax_scale)
+    step = distributed.plan(batch, scale=cfg.softmax_scale)
     hidden = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     if grid.rank == 3:
         time.sleep(3 * HANG_TIMEOUT)

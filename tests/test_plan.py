@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 import openmla
-from openmla import LatentAttention, PagedLatentCache, combine
-from openmla import custom_ops, kept_plans
+from openmla.cache import HostLists
+from openmla import LatentAttention, LayerWeights, PagedLatentCache, combine
+from openmla.backends import Backend
+from openmla import kept_plans
 from openmla.config import MLAConfig
 
 from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
@@ -31,7 +33,7 @@ def _run_both(case, backend, **opts):
     """The fused op through a plan and through the seed-named op, on separate cache copies."""
     a, b = case.clone_cache(), case.clone_cache()
     step = openmla.plan(a.batch, scale=case.scale, backend=backend, **opts)
-    got = step.run(a.q, a.kv, a.freqs_cis, a.gamma, a.layer_idx, a.w_k, a.w_uk, a.w_uv, return_lse=True)
+    got = step.run(*a.run_args(), return_lse=True)
     want = openmla.mla_prefill_decode_graph(*b.fused_args(), scale=case.scale, backend=backend, return_lse=True, **opts)
     return got, want, (a, b)
 
@@ -59,13 +61,13 @@ def test_run_sparse_and_sink_against_reference():
     for backend in ("torch", "reference"):
         c = case.clone_cache()
         step = openmla.plan(c.batch, scale=case.scale, backend=backend, **opts)
-        outs.append(step.run(c.q, c.kv, c.freqs_cis, c.gamma, c.layer_idx, c.w_k, c.w_uk, c.w_uv, return_lse=True))
+        outs.append(step.run(*c.run_args(), return_lse=True))
     assert_close(outs[0][0], outs[1][0], TOL[torch.float32], "sparse+sink out", case.seed)
     assert_lse(outs[0][1], outs[1][1], TOL[torch.float32], case.seed)
 
 
 # No host reads in the per-layer path ------------------------------------------------------
-class _SpyBackend:
+class _SpyBackend(Backend):
     """Kernel stand-ins made of pure tensor ops (no host reads), recording what they were given."""
 
     name = "torch"
@@ -95,6 +97,7 @@ def test_run_reads_no_tensor_values_on_the_host(monkeypatch, new):
     step = openmla.plan(case.batch, scale=case.scale)
     spy = _SpyBackend()
     step.backend = spy
+    weights = case.weights
 
     def refuse(*_a, **_k):
         raise AssertionError("host read of tensor data in the per-layer path")
@@ -102,7 +105,7 @@ def test_run_reads_no_tensor_values_on_the_host(monkeypatch, new):
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     for layer in range(2):
-        out = step.run(case.q, case.kv, case.freqs_cis, case.gamma, layer, case.w_k, case.w_uk, case.w_uv)
+        out = step.run(case.q, case.kv, layer, weights, case.freqs_cis)
         assert out.shape == (case.q.shape[0], case.config.num_heads, case.config.v_head_dim)
     monkeypatch.undo()
     form = "decode" if max(new) <= openmla.DECODE_MAX_Q_LEN else "prefill"
@@ -116,7 +119,7 @@ def test_metadata_edited_after_planning_never_reaches_kernels():
     step = openmla.plan(a.batch, scale=case.scale, backend="torch")
     a.batch.cache_lengths.fill_(1000)  # edited in place after validation
     a.batch.block_table.fill_(10**6)
-    got = step.run(a.q, a.kv, a.freqs_cis, a.gamma, a.layer_idx, a.w_k, a.w_uk, a.w_uv)
+    got = step.run(*a.run_args())
     assert_close(got, want, 0.0, "out", case.seed)
     with pytest.raises(ValueError, match="kv_collection.block_table"):  # a new plan validates the edit
         openmla.plan(a.batch, scale=case.scale)
@@ -133,7 +136,7 @@ def _one_shot(case, q_abs, batch=None, backend="torch", **kw):
 def _fresh(batch):
     """The same view as a new object with its own metadata copies (nothing kept on it)."""
     return dataclasses.replace(batch, block_table=batch.block_table.clone(), cache_lengths=batch.cache_lengths.clone(),
-                               input_row_offsets=batch.input_row_offsets.clone(), _host={})
+                               input_row_offsets=batch.input_row_offsets.clone(), _host=HostLists())
 
 
 def _q_abs(case):
@@ -219,9 +222,13 @@ def test_per_layer_checks_name_the_argument_and_write_nothing():
     }
     args = dict(q=case.q, kv=case.kv, freqs_cis=case.freqs_cis, kv_norm_gamma=case.gamma, layer_idx=case.layer_idx,
                 w_k=case.w_k, w_uk=case.w_uk, w_uv=case.w_uv)
+
+    def call(q, kv, freqs_cis, kv_norm_gamma, layer_idx, w_k, w_uk, w_uv):
+        step.run(q, kv, layer_idx, LayerWeights(kv_norm_gamma, w_k, w_uk, w_uv), freqs_cis)
+
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
-            step.run(**{**args, name: value})
+            call(**{**args, name: value})
         assert torch.equal(case.batch.blocks, before), name
 
 
@@ -232,7 +239,7 @@ def test_refill_equals_a_fresh_plan():
     tensors = [step.batch.block_table, step.batch.cache_lengths, step.batch.input_row_offsets, step.write_rows]
     ptrs = [t.data_ptr() for t in tensors]
     for _ in range(3):  # decode steps: commit, prepare the next, refill in place
-        step.run(case.q, case.kv, case.freqs_cis, case.gamma, 0, case.w_k, case.w_uk, case.w_uv)
+        step.run(case.q, case.kv, 0, case.weights, case.freqs_cis)
         case.cache.commit(case.batch)
         case = dataclasses.replace(case, batch=case.cache.prepare(["s0", "s1"], [1, 1]))
         step.refill(case.batch)
@@ -252,13 +259,13 @@ def _op_cases(backend: str):
     step = openmla.plan(case.batch, scale=case.scale, backend=backend)
     q_rot = step.write_cache(case.q, case.kv, case.freqs_cis, case.gamma, 0)
     q_abs = combine.absorb(q_rot, case.w_uk)
-    cache_args = custom_ops._cache_args(step)
-    spec_args = custom_ops._spec_args(step.spec)
     L = case.config.kv_lora_rank
+    blocks, handle = step.batch.blocks, step.handle
+    out, lse = step.backend.result_dtypes(case.q.dtype)
     return step, {
-        "write_cache": (case.q, case.kv, case.freqs_cis, case.gamma, 0, 1e-6, True, *cache_args),
-        "decode": (q_abs, None, None, "decode", 0, L, 0, 0, *spec_args, *cache_args),
-        "prefill": (q_rot, case.w_k, case.w_uv, "prefill", 0, 0, 0, 0, *spec_args, *cache_args),
+        "write_cache": (case.q, case.kv, case.freqs_cis, case.gamma, blocks, handle, 0, 1e-6, True, out),
+        "decode": (q_abs, None, None, blocks, handle, "decode", 0, L, None, None, None, out, lse),
+        "prefill": (q_rot, case.w_k, case.w_uv, blocks, handle, "prefill", 0, 0, None, None, None, out, lse),
     }
 
 
@@ -267,7 +274,7 @@ def _op_cases(backend: str):
 def test_opcheck(case, backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    step, args = _op_cases(backend)  # noqa: F841  (the plan stays alive: the ops find it)
+    step, args = _op_cases(backend)  # noqa: F841  (the plan stays alive: the handle refers to it weakly)
     op = torch.ops.openmla.write_cache if case == "write_cache" else torch.ops.openmla.attention
     torch.library.opcheck(op.default, args[case])
 
@@ -327,7 +334,8 @@ def test_with_blocks_runs_the_plan_over_other_storage():
     fresh = openmla.plan(case.batch.with_blocks(other), scale=case.scale, backend="torch")
     want = fresh.decode(q, case.layer_idx, kv_lora_rank=L, return_lse=True)
     got = view.decode(q, case.layer_idx, kv_lora_rank=L, return_lse=True)
-    op = custom_ops.decode(view, q, case.layer_idx, view.spec, L)
+    op = torch.ops.openmla.attention(q, None, None, other, view.handle, "decode", case.layer_idx, L, None, None, None,
+                                     torch.float32, torch.float32)
     for a, b in ((got, want), (op, want)):
         torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import openmla
+from openmla.cache import HostLists
 from openmla import CacheFullError, PagedLatentCache
 
 from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
@@ -293,7 +294,7 @@ def strided_views(backend: str, data, decode: bool, prefill_lens: list[int]) -> 
     b = c.batch
     batch = dataclasses.replace(b, block_table=relaid(b.block_table.to(idx), lay["table"]),
                                 cache_lengths=relaid(b.cache_lengths.to(idx), lay["lengths"]),
-                                input_row_offsets=relaid(b.input_row_offsets.to(idx), lay["offsets"]), _host={})
+                                input_row_offsets=relaid(b.input_row_offsets.to(idx), lay["offsets"]), _host=HostLists())
     if "sparse_indices" in kw:
         kw["sparse_indices"] = relaid(kw["sparse_indices"].to(idx), lay["sparse"])
     got, got_lse = openmla.mla_prefill_decode_graph(

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import openmla
+from openmla import chunks as chunks_mod
 from openmla import MaskVariant, MlaConfigV2
 from openmla import reference as ref
 from openmla.masks import MaskKind
@@ -167,15 +168,15 @@ def test_chunked_equals_one_shot(mask, extra):
 
 def test_default_buffer_bounds_memory(monkeypatch):
     # DeepSeek-V3 shapes: the default chunk keeps the K/V buffer near KV_BUFFER_BYTES.
-    rows = tpre.default_buffer_size(128, 192, 128, 512, torch.bfloat16)
-    assert 0.5 * tpre.KV_BUFFER_BYTES <= rows * 128 * (192 + 128) * 2 <= tpre.KV_BUFFER_BYTES
+    rows = chunks_mod.default_buffer_size(128, 192, 128, 512, torch.bfloat16)
+    assert 0.5 * chunks_mod.KV_BUFFER_BYTES <= rows * 128 * (192 + 128) * 2 <= chunks_mod.KV_BUFFER_BYTES
     # A tiny budget forces many chunks by default; the result does not change.
     case = prefill_case([12, 0], [20, 9])
     want, _ = torch_prefill(case)
     chunks = []
     real_chunks = openmla.MLAPlan.chunks
-    monkeypatch.setattr(tpre, "KV_BUFFER_BYTES", 1)
-    monkeypatch.setattr(tpre, "MIN_BUFFER_ROWS", 8)
+    monkeypatch.setattr(chunks_mod, "KV_BUFFER_BYTES", 1)
+    monkeypatch.setattr(chunks_mod, "MIN_BUFFER_ROWS", 8)
     monkeypatch.setattr(openmla.MLAPlan, "chunks", lambda self, size: chunks.append(size) or real_chunks(self, size))
     got, _ = torch_prefill(case)
     assert chunks == [8]

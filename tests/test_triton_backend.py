@@ -55,7 +55,7 @@ def on_device(case: Case) -> Case:
     b = case.batch
     batch = CacheBatch(b.blocks.clone().to(DEV), b.block_table.to(DEV), b.cache_lengths.to(DEV),
                        b.input_row_offsets.to(DEV), b.page_size, b.seq_ids)
-    batch._host.update(b._host)
+    batch._host = b._host.copy()
     mv = {f: getattr(case, f).to(DEV) for f in ("q", "kv", "freqs_cis", "gamma", "w_k", "w_uk", "w_uv")}
     return dataclasses.replace(case, batch=batch, extras=dict(case.extras), **mv)
 

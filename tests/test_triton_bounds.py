@@ -61,7 +61,7 @@ def guarded(batch):
     real = whole[:, GUARD: GUARD + P]
     real.copy_(batch.blocks)
     g = dataclasses.replace(batch, blocks=real, block_table=batch.block_table.clone(), cache_lengths=batch.cache_lengths.clone(),
-                            input_row_offsets=batch.input_row_offsets.clone(), _host=dict(batch._host))
+                            input_row_offsets=batch.input_row_offsets.clone(), _host=batch._host.copy())
     return g, whole
 
 
@@ -360,7 +360,7 @@ def far_corruption(fmt: str) -> str:
     b.cache_lengths.copy_(torch.tensor([2**31 - 100, -(2**31) + 100], dtype=torch.int32))
     out_w = run_decode(q, b, case)[0]
     write_cache(case.q, case.kv, case.freqs_cis, case.gamma, b, case.layer_idx, 1e-6)
-    pre, _ = prefill(case.q, dataclasses.replace(b, _host=dict(case.batch._host)), case.layer_idx, case.w_k, case.w_uv,
+    pre, _ = prefill(case.q, dataclasses.replace(b, _host=case.batch._host.copy()), case.layer_idx, case.w_k, case.w_uv,
                      scale=case.scale, mask=MaskVariant(), attn_sink=None, chunks=chunk_plan(case.batch.seq_lens_list, 8))
     finite = all(bool(torch.isfinite(t).all()) for t in (out, out_s, out_l, out_w, pre))
     return "ok" if finite else "non-finite output"

@@ -56,7 +56,7 @@ def on_device(case: Case) -> Case:
     b = case.batch
     batch = dataclasses.replace(b, blocks=b.blocks.clone().to(DEV), block_table=b.block_table.to(DEV),
                                 cache_lengths=b.cache_lengths.to(DEV), input_row_offsets=b.input_row_offsets.to(DEV),
-                                kv_scale=None if b.kv_scale is None else b.kv_scale.clone().to(DEV), _host=dict(b._host))
+                                kv_scale=None if b.kv_scale is None else b.kv_scale.clone().to(DEV), _host=b._host.copy())
     mv = {f: getattr(case, f).to(DEV) for f in ("q", "kv", "freqs_cis", "gamma", "w_k", "w_uk", "w_uv")}
     return dataclasses.replace(case, batch=batch, extras=dict(case.extras), **mv)
 
@@ -146,7 +146,7 @@ def test_cache_write_bytes(fmt, kv_scale, L, R, page_size, heads, dtype, zero_gr
     f32 = dataclasses.replace(b, blocks=torch.zeros(*b.blocks.shape[:3], L + R, device=DEV),
                               block_table=dev.batch.block_table, cache_lengths=dev.batch.cache_lengths,
                               input_row_offsets=dev.batch.input_row_offsets, cache_format="native", kv_scale=None,
-                              _host=dict(b._host))
+                              _host=b._host.copy())
     openmla.mla_write_cache(dev.q, dev.kv, dev.freqs_cis, dev.gamma, f32, dev.layer_idx, backend="triton")
     rows = written_rows(b)
     entries = f32.blocks[dev.layer_idx].reshape(-1, L + R)[rows.to(DEV)].cpu()
@@ -369,7 +369,7 @@ def test_fp8_cache_close_to_bf16_cache(fmt, form):
     b = case.batch
     entries = torch.randn(b.num_pages * b.page_size, b.head_dim, generator=torch.Generator().manual_seed(case.seed + 6))
     bf16 = dataclasses.replace(b, blocks=torch.zeros(*b.blocks.shape[:3], b.head_dim, dtype=BF16), cache_format="native",
-                               kv_scale=None, _host=dict(b._host))
+                               kv_scale=None, _host=b._host.copy())
     rows = torch.arange(entries.shape[0])
     for batch in (b, bf16):
         batch.write_rows(case.layer_idx, rows, entries)

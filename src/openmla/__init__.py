@@ -1,7 +1,7 @@
 """openmla: Multi-head Latent Attention kernels (DeepSeek-V2/V3/V3.2, Kimi K2) for PyTorch.
 
-Paged latent KV cache, ragged prefill and decode, sparse top-k, attention sinks;
-a PyTorch backend (CPU default), a Triton backend (CUDA) and a float64 reference.
+Paged latent KV cache, ragged prefill and decode, sparse top-k, attention sinks; native CPU
+kernels (the CPU default), a plain PyTorch backend, a Triton backend (CUDA) and a float64 reference.
 """
 
 from .cache import CacheBatch, CacheFullError, PageAllocator, PagedLatentCache
@@ -20,9 +20,10 @@ from .ops import (
     mla_prefill_v2_ragged,
     mla_write_cache,
 )
-from .planning import MLAPlan, plan
+from .planning import MLAPlan, Step, plan
 from .rope import apply_rope, rope_freqs_cis
 from .spec import AttentionSpec, SparseSpec
+from .weights import LayerWeights
 
 __version__ = "0.1.0"
 
@@ -33,5 +34,5 @@ __all__ = [
     "DECODE_MAX_Q_LEN", "MlaConfigV2", "flare_mla_decode", "flare_mla_prefill", "merge_states", "mla_prefill",
     "mla_prefill_decode_graph", "mla_prefill_plan", "mla_prefill_v2_ragged", "mla_write_cache",
     "apply_rope", "rope_freqs_cis",
-    "plan", "MLAPlan", "AttentionSpec", "SparseSpec", "LatentAttention",
+    "plan", "MLAPlan", "Step", "AttentionSpec", "SparseSpec", "LayerWeights", "LatentAttention",
 ]

@@ -104,6 +104,26 @@ class Ticket:
 
 
 @dataclass
+class HostLists:
+    """Host copies of a batch's metadata, read from the device once (planning must not sync per
+    sequence), and the plans the seed-named ops keep for the batch (``openmla.ops``)."""
+
+    cache_lengths: list[int] | None = None
+    offsets: list[int] | None = None
+    max_position: int | None = None
+    kept_plans: dict = field(default_factory=dict)
+
+    def copy(self) -> "HostLists":
+        """The same lists, without kept plans (for a batch over the same metadata)."""
+        return HostLists(self.cache_lengths, self.offsets, self.max_position)
+
+    def refill(self, other: "HostLists") -> None:
+        """Take ``other``'s lists (a plan refilled in place for the next step); kept plans are dropped."""
+        self.cache_lengths, self.offsets, self.max_position = other.cache_lengths, other.offsets, other.max_position
+        self.kept_plans.clear()
+
+
+@dataclass
 class CacheBatch:
     """The view of the cache one forward call works on (the seeds' ``kv_collection``).
 
@@ -133,7 +153,7 @@ class CacheBatch:
     kv_scale: torch.Tensor | None = None  # float32 [num_layers], fp8_e4m3 only
     rope_dim: int | None = None  # R, needed to decode fp8_ds_mla records
     ticket: "Ticket | None" = field(default=None, repr=False, compare=False)  # set by PagedLatentCache.prepare
-    _host: dict = field(default_factory=dict, repr=False, compare=False)
+    _host: "HostLists" = field(default_factory=lambda: HostLists(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Field checks (host facts only: no device read, no sync)."""
@@ -181,21 +201,31 @@ class CacheBatch:
                          f"{DS_MLA_GROUP}-value groups and an even rope width")
         if self.ticket is not None and not isinstance(self.ticket, Ticket):
             fail("ticket", f"expected a Ticket from PagedLatentCache.prepare or None, got {type(self.ticket).__name__}")
-        if not isinstance(self._host, dict):
-            fail("_host", f"expected a dict, got {type(self._host).__name__}")
+        if not isinstance(self._host, HostLists):
+            fail("_host", f"expected a HostLists, got {type(self._host).__name__}")
 
     # Host-side copies, computed once: planning code must not sync per sequence.
     @property
     def cache_lengths_list(self) -> list[int]:
-        if "cache" not in self._host:
-            self._host["cache"] = [int(x) for x in self.cache_lengths.tolist()]
-        return self._host["cache"]
+        host = self._host
+        if host.cache_lengths is None:
+            host.cache_lengths = [int(x) for x in self.cache_lengths.tolist()]
+        return host.cache_lengths
 
     @property
     def offsets_list(self) -> list[int]:
-        if "offsets" not in self._host:
-            self._host["offsets"] = [int(x) for x in self.input_row_offsets.tolist()]
-        return self._host["offsets"]
+        host = self._host
+        if host.offsets is None:
+            host.offsets = [int(x) for x in self.input_row_offsets.tolist()]
+        return host.offsets
+
+    @property
+    def max_position(self) -> int:
+        """The longest sequence of the step (cached + new): rows of ``freqs_cis`` it needs."""
+        host = self._host
+        if host.max_position is None:
+            host.max_position = max(self.seq_lens_list, default=0)
+        return host.max_position
 
     @property
     def new_tokens_list(self) -> list[int]:
@@ -292,7 +322,7 @@ class CacheBatch:
 
     def with_offsets(self, input_row_offsets: torch.Tensor) -> "CacheBatch":
         """The same cache view with another ragged query layout (new host cache)."""
-        return dataclasses.replace(self, input_row_offsets=input_row_offsets, _host={})
+        return dataclasses.replace(self, input_row_offsets=input_row_offsets, _host=HostLists())
 
     def with_blocks(self, blocks: torch.Tensor) -> "CacheBatch":
         """The same view over other storage of the same shape (a copy of the cache, say)."""
@@ -502,7 +532,7 @@ class PagedLatentCache:
             rope_dim=self.rope_dim,
             ticket=Ticket(self._token, tuple(ids), generations, tuple(lengths), tuple(counts)),
         )
-        batch._host.update(cache=list(lengths), offsets=offsets)
+        batch._host = HostLists(list(lengths), offsets)
         return batch
 
     def commit(self, batch: CacheBatch) -> None:

@@ -60,7 +60,7 @@ def kept_plan(kv_collection: object, scale: object, options: dict) -> MLAPlan:
         hash(key)
     except (AttributeError, TypeError, ValueError):  # a bad option or batch: plan() names it
         return plan(kv_collection, scale=scale, **options)
-    kept = kv_collection._host.setdefault("plans", {})
+    kept = kv_collection._host.kept_plans
     hit = kept.get(key)
     if hit is not None and _same(kv_collection, hit):
         return hit.plan

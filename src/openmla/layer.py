@@ -25,8 +25,9 @@ from torch import nn
 
 from .cache import CacheBatch
 from .config import MLAConfig
-from .planning import MLAPlan, plan
+from .planning import MLAPlan, Step, plan
 from .rope import rope_freqs_cis
+from .weights import LayerWeights
 
 # Options the layer sets itself; passing them through **plan_options would be ambiguous.
 _RESERVED_KWARGS = frozenset({"scale", "epsilon", "rope_interleaved", "return_lse"})
@@ -157,21 +158,24 @@ class LatentAttention(nn.Module):
     # Weights ---------------------------------------------------------------------------
     @torch.no_grad()
     def split_kv_b(self) -> None:
-        """Refresh ``w_k``, ``w_uk``, ``w_uv`` from ``kv_b_proj.weight`` (call after editing it by hand).
-
-        Per head h, rows ``h*(Dn+Dv) : h*(Dn+Dv)+Dn`` are W_UK[h] ``[Dn, L]``, the next Dv rows W_UV[h].
-        """
+        """Refresh ``w_k``, ``w_uk``, ``w_uv`` (and ``weights``) from ``kv_b_proj.weight`` (call after
+        editing it by hand). Per head h, rows ``h*(Dn+Dv) : h*(Dn+Dv)+Dn`` are W_UK[h] ``[Dn, L]``,
+        the next Dv rows W_UV[h]."""
         c = self.config
-        H, L, Dn, Dv = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
-        # Normal tensors even when called under torch.inference_mode: a backend may cache
-        # derived forms of these (the cpu backend's packed weights), keyed by version counters.
-        with torch.inference_mode(False):
-            w = self.kv_b_proj.weight.detach().reshape(H, Dn + Dv, L)
-            w_uk_rows, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
-            fresh = dict(memory_format=torch.contiguous_format, copy=True)  # one copy each, never a view of the weight
-            self.w_k = w_uk_rows.to(self.w_k.dtype, **fresh).view(H * Dn, L)
-            self.w_uk = w_uk_rows.transpose(1, 2).to(self.w_uk.dtype, **fresh)
-            self.w_uv = w_uv.to(self.w_uv.dtype, **fresh)
+        split = LayerWeights.from_kv_b(self.kv_b_proj.weight, self.kv_a_layernorm.weight, num_heads=c.num_heads,
+                                       qk_nope_head_dim=c.qk_nope_head_dim, dtype=self.w_k.dtype)
+        self.w_k, self.w_uk, self.w_uv = split.w_k, split.w_uk, split.w_uv
+        self._refresh_weights()
+
+    def _refresh_weights(self) -> None:
+        """``weights``: the layer's ``LayerWeights`` over its current tensors (after a split or a move)."""
+        c = self.config
+        self.weights = LayerWeights(self.kv_a_layernorm.weight, self.w_k, self.w_uk, self.w_uv, c.rms_norm_eps, c.rope_interleave)
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the tensors are new objects
+        out = super()._apply(fn, recurse)
+        self._refresh_weights()
+        return out
 
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected ``{hf_name: shape}`` of this layer's tensors (names without the layer prefix)."""
@@ -320,8 +324,8 @@ class LatentAttention(nn.Module):
             raise ValueError(f"hidden_states: expected shape (T, {c.hidden_size}), got {shape}")
         if isinstance(step, CacheBatch):
             step = self.plan(step, **plan_options)
-        elif not isinstance(step, MLAPlan):
-            raise ValueError(f"step: expected an MLAPlan or a CacheBatch, got {type(step).__name__}")
+        elif not isinstance(step, Step):
+            raise ValueError(f"step: expected an MLAPlan (a Step) or a CacheBatch, got {type(step).__name__}")
         elif plan_options:
             raise ValueError(f"plan_options: {sorted(plan_options)} belong to the plan (openmla.plan), not to a layer call")
         elif step.spec.scale != c.softmax_scale:
@@ -336,8 +340,7 @@ class LatentAttention(nn.Module):
         c = self.config
         T = hidden_states.shape[0]
         kv = self.kv_a_proj_with_mqa(hidden_states)
-        out = step.run(q, kv, self._freqs_for(step, hidden_states.device), self.kv_a_layernorm.weight, self.layer_idx,
-                       self.w_k, self.w_uk, self.w_uv, epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave)
+        out = step.run(q, kv, self.layer_idx, self.weights, self._freqs_for(step, hidden_states.device))
         return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim).to(self.o_proj.weight.dtype))
 
     def extra_repr(self) -> str:

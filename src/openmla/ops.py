@@ -17,12 +17,14 @@ from typing import Literal, TypedDict, overload
 import torch
 from typing_extensions import Unpack
 
-from . import combine
+from . import combine, dispatch
 from .cache import CacheBatch
+from .chunks import MlaConfigV2, check_chunk, chunk_plan
 from .kept_plans import kept_plan
 from .masks import MaskVariant
-from .planning import DECODE_MAX_Q_LEN, MlaConfigV2, chunk_plan
-from .validate import FLOAT_DTYPES, check_int, check_offsets, check_tensor, snapshot_batch
+from .planning import DECODE_MAX_Q_LEN
+from .validate import FLOAT_DTYPES, check_int, check_offsets, check_query, check_tensor, snapshot_batch
+from .weights import LayerWeights
 
 __all__ = [
     "DECODE_MAX_Q_LEN", "MlaConfigV2", "MaskOptions", "StepOptions", "flare_mla_decode", "flare_mla_prefill",
@@ -115,6 +117,15 @@ def mla_write_cache(
     return step.write_cache(q, kv, freqs_cis, kv_norm_gamma, layer_idx, epsilon=epsilon, rope_interleaved=rope_interleaved)
 
 
+def seed_weights(kv_norm_gamma: object, w_k: object, w_uk: object, w_uv: object, epsilon: object,
+                 rope_interleaved: object) -> LayerWeights:
+    """The seeds' loose per-layer arguments as one ``LayerWeights`` (errors name the seeds' argument)."""
+    try:
+        return LayerWeights(kv_norm_gamma, w_k, w_uk, w_uv, epsilon, rope_interleaved)
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("weights.")) from None
+
+
 def _check_q_scale(q_scale: object) -> None:
     """Values of a tensor ``q_scale`` (host read: the one-off ops can afford it, ``plan.run`` does not)."""
     if isinstance(q_scale, torch.Tensor) and q_scale.is_floating_point() and not bool(torch.isfinite(q_scale).all()):
@@ -157,8 +168,8 @@ def mla_prefill_decode_graph(q, kv, input_row_offsets, freqs_cis, kv_norm_gamma,
     if offs != step.batch.offsets_list:
         raise ValueError("input_row_offsets: differs from kv_collection.input_row_offsets")
     _check_q_scale(q_scale)
-    return step.run(q, kv, freqs_cis, kv_norm_gamma, layer_idx, w_k, w_uk, w_uv, epsilon=epsilon,
-                    rope_interleaved=rope_interleaved, q_scale=q_scale, return_lse=return_lse)
+    weights = seed_weights(kv_norm_gamma, w_k, w_uk, w_uv, epsilon, rope_interleaved)
+    return step.run(q, kv, layer_idx, weights, freqs_cis, q_scale=q_scale, return_lse=return_lse)
 
 
 # Kernel-level entry points ---------------------------------------------------------
@@ -206,8 +217,16 @@ def flare_mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_
         raise TypeError(f"flare_mla_prefill() got unexpected keyword arguments {sorted(extra)}")
     step = kept_plan(kv_collection, scale, options)
     _check_q_scale(q_scale)
-    return step.flare_prefill(q, k, v, buffer_row_offsets, cache_offsets, layer_idx, q_scale=q_scale, tile=_tile,
-                              return_lse=return_lse)
+    q, out_dtype = check_query(q, q_scale, step.num_tokens, step.device)
+    layer_idx = check_int("layer_idx", layer_idx, 0, step.num_layers)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse: expected a bool, got {return_lse!r}")
+    chunk = check_chunk(q, k, v, buffer_row_offsets, cache_offsets, step.batch)
+    if _tile is not None and not isinstance(_tile, MlaConfigV2):
+        raise ValueError(f"config: expected an MlaConfigV2, got {type(_tile).__name__}")
+    out, lse = dispatch.flare_prefill(step, layer_idx, q, k, v, chunk, _tile)
+    out = out.to(device=step.device, dtype=out_dtype)
+    return (out, lse.to(device=step.device, dtype=torch.float32)) if return_lse else out
 
 
 def mla_prefill_v2_ragged(q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, buffer_row_offsets: torch.Tensor,

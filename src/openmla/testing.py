@@ -15,6 +15,7 @@ import torch
 from .cache import CacheBatch, PagedLatentCache
 from .config import MLAConfig
 from .rope import rope_freqs_cis
+from .weights import LayerWeights
 
 
 @dataclass
@@ -36,6 +37,15 @@ class Case:
     @property
     def scale(self) -> float:
         return self.config.softmax_scale
+
+    @property
+    def weights(self) -> LayerWeights:
+        """The case's per-layer constants as ``plan.run`` takes them."""
+        return LayerWeights(self.gamma, self.w_k, self.w_uk, self.w_uv)
+
+    def run_args(self) -> tuple:
+        """Positional arguments of ``MLAPlan.run``."""
+        return (self.q, self.kv, self.layer_idx, self.weights, self.freqs_cis)
 
     def fused_args(self):
         """Positional arguments of ``mla_prefill_decode_graph``."""

@@ -12,8 +12,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .cache import CacheBatch
-from .fp8 import CACHE_FORMATS, FP8
+from .cache import CacheBatch, HostLists
+from .fp8 import CACHE_FORMATS, FP8, dequantize_q
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
@@ -67,8 +67,23 @@ def check_float(name: str, value: object, lo: float | None = None) -> float:
     return float(value)
 
 
-def check_scale(scale: object) -> float:
-    return check_float("scale", scale)
+def check_query(q: object, q_scale: object, num_tokens: int, device: torch.device,
+                depth: int | None = None) -> tuple[torch.Tensor, torch.dtype]:
+    """A query ``[T, H, depth]`` of a float dtype or float8_e4m3fn (with ``q_scale``: scalar, ``[1]``
+    or per token, float32). Returns the query to compute with (an fp8 one dequantised to bfloat16)
+    and the output dtype. Shapes only: no tensor value is read."""
+    check_tensor("q", q, shape=(num_tokens, None, depth), dtypes=FLOAT_DTYPES + (FP8,), device=device)
+    if q.dtype != FP8:
+        if q_scale is not None:
+            raise ValueError("q_scale: only a float8_e4m3fn q takes a scale")
+        return q, q.dtype
+    if isinstance(q_scale, torch.Tensor):
+        check_tensor("q_scale", q_scale, dtypes=(torch.float32,), device=device)
+        if q_scale.numel() not in (1, q.shape[0]) or q_scale.dim() > 1:
+            raise ValueError(f"q_scale: expected a scalar, [1] or per-token [{q.shape[0]}], got {tuple(q_scale.shape)}")
+    elif q_scale is not None:
+        check_float("q_scale", q_scale)
+    return dequantize_q(q, q_scale, torch.bfloat16), torch.bfloat16
 
 
 def check_offsets(name: str, offsets: object, total: int, device: torch.device) -> list[int]:
@@ -152,8 +167,7 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
             i = int(np.argmax(bad.any(axis=1)))
             raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {b.num_pages})")
     cache_lens, offsets = cache_np.tolist(), offs_np.tolist()
-    snap = dataclasses.replace(b, block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host={})
-    snap._host.update(cache=cache_lens, offsets=offsets)
+    snap = dataclasses.replace(b, block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host=HostLists(cache_lens, offsets))
     return snap
 
 

@@ -1,19 +1,34 @@
-"""Backend registry: ``torch`` (eager PyTorch, any device), ``triton`` (GPU kernels; the CPU through
-Triton's interpreter) and ``reference`` (the float64 oracle). Each is a module implementing
-``base.Backend``; ``openmla.plan`` picks one and drives it.
+"""Backend registry: ``cpu`` (native C++ kernels), ``torch`` (eager PyTorch, any device), ``triton``
+(GPU kernels; the CPU through Triton's interpreter) and ``reference`` (the float64 oracle).
+
+Each is a ``base.Backend`` subclass, imported on first use from the line that names it here.
+``openmla.plan`` resolves a name (``resolve_backend_name``) and then ``choose_backend``: the
+named backend, or its declared fallback when it declines the step, recorded on the plan.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .base import Backend
+from .base import Backend
 
-BACKENDS = ("torch", "triton", "reference", "cpu")
+if TYPE_CHECKING:
+    from ..planning import MLAPlan
+
+# name -> "module:class"; a new backend is one more line.
+REGISTRY: dict[str, str] = {
+    "torch": "openmla.backends.torch_cpu:TorchBackend",
+    "triton": "openmla.backends.triton.backend:TritonBackend",
+    "reference": "openmla.backends.reference_backend:ReferenceBackend",
+    "cpu": "openmla.backends.cpu.backend:CpuBackend",
+}
+BACKENDS = tuple(REGISTRY)
+
+_LOADED: dict[str, Backend] = {}
 
 
 def _cpu_default(device: torch.device) -> str:
@@ -26,24 +41,40 @@ def resolve_backend_name(backend: str | None, device: torch.device) -> str:
     """Explicit argument, else ``OPENMLA_BACKEND``, else ``triton`` on CUDA, ``cpu`` (the native
     kernels) on the CPU when they build here, and ``torch`` elsewhere."""
     name = backend or os.environ.get("OPENMLA_BACKEND") or ("triton" if device.type == "cuda" else _cpu_default(device))
-    if name not in BACKENDS:
+    if name not in REGISTRY:
         raise ValueError(f"backend: unknown backend {name!r}; choose one of {BACKENDS}")
     return name
 
 
-def load_backend(name: str) -> "Backend":
-    if name == "reference":
-        from . import reference_backend as mod
-    elif name == "torch":
-        from . import torch_cpu as mod  # a package: cache_write, decode, prefill
-    elif name == "cpu":
-        from .cpu import api as mod, available
+def load_backend(name: str) -> Backend:
+    """The backend ``name`` (one instance per process); ``ValueError`` when it cannot run here."""
+    module, _, cls_name = REGISTRY[name].partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except ImportError as exc:  # triton missing, say
+        raise ValueError(f"backend: the {name} backend is unavailable here ({exc})") from exc
+    why = cls.unavailable()
+    if why is not None:
+        raise ValueError(f"backend: the {name} backend is unavailable here ({why})")
+    if name not in _LOADED:
+        _LOADED[name] = cls()
+    return _LOADED[name]
 
-        if not available():
-            raise ValueError("backend: the cpu backend is unavailable here (its native kernels did not build)")
-    else:
-        try:
-            from .triton import api as mod
-        except ImportError as exc:  # triton missing, or the backend not built yet
-            raise ValueError(f"backend: the triton backend is unavailable here ({exc})") from exc
-    return mod
+
+def choose_backend(name: str, plan: "MLAPlan") -> tuple[Backend, str | None]:
+    """The backend that runs ``plan``: ``name``'s, or its fallback when it declines the step, with
+    the reason (None when ``name``'s runs). ``ValueError`` when neither runs it."""
+    backend = load_backend(name)
+    why = backend.supports(plan)
+    if why is True:
+        return backend, None
+    if backend.fallback is None:
+        raise ValueError(f"backend: the {name} backend cannot run this step: {why}")
+    fallback = load_backend(backend.fallback)
+    why_not = fallback.supports(plan)
+    if why_not is not True:
+        raise ValueError(f"backend: the {name} backend cannot run this step ({why}), nor its fallback {fallback.name} ({why_not})")
+    return fallback, f"{name} declined: {why}"
+
+
+__all__ = ["BACKENDS", "REGISTRY", "Backend", "choose_backend", "load_backend", "resolve_backend_name"]

@@ -1,54 +1,108 @@
-"""The backend interface: kernels only.
+"""The backend interface: kernels, and what they can run.
 
 A backend receives a validated ``MLAPlan`` (the step's metadata, token positions, physical
-write rows, chunk plan) and an ``AttentionSpec``; it never validates, never imports ``ops`` or
-``plan`` logic or another backend. Outputs may be in any float dtype (the plan casts them).
-Rows without a visible key give zeros and LSE = -inf; the LSE is natural-log and leaves the
-attention sink out, while ``out`` has the sink applied.
+write rows, chunk plan) and an ``AttentionSpec``; it never validates user input, never imports
+``ops``, the plan's logic or another backend. ``openmla.plan`` picks the backend once per step
+(``supports``; a backend that declines names its ``fallback``) and records it on the plan.
+
+Results: rows without a visible key give zeros and LSE = -inf; the LSE is natural-log and leaves
+the attention sink out, while ``out`` has the sink applied. Outputs are in ``result_dtypes``;
+the plan casts them to the caller's dtype (one rule for eager and compiled calls).
+
+A new backend is one subclass in one folder and one line in ``openmla.backends.REGISTRY``
+(docs/backends.md walks through it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 
+from .. import combine
+
 if TYPE_CHECKING:
-    from ..planning import ChunkRows, MLAPlan, MlaConfigV2
+    from ..cache import CacheBatch
+    from ..chunks import ChunkPlan, ChunkRows, MlaConfigV2
     from ..spec import AttentionSpec
 
+ALL_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
 
-class Backend(Protocol):
-    """What ``openmla.plan`` drives. A module with these names is a backend.
 
-    Optional: ``absorb(q_rot, w_uk)`` and ``unabsorb(out_lat, w_uv)`` with the contract of
-    ``openmla.combine``'s functions of those names (the decode form's query absorption and output
-    projection); a plan uses combine's where a backend has none (the native ``cpu`` one has its own).
-    """
+class PlanView(Protocol):
+    """What a backend reads of a plan (``openmla.MLAPlan`` is one); all read-only."""
 
-    name: str
-    cache_formats: tuple[str, ...]  # CacheBatch.cache_format values it reads and writes
+    batch: "CacheBatch"  # the step over private, validated int32 metadata; host lists filled
+    spec: "AttentionSpec"  # scale, mask, sparse top-k, sink
+    device: torch.device
+    num_tokens: int
+    token_seq: torch.Tensor  # int64 [T]: each new token's sequence
+    token_pos: torch.Tensor  # int64 [T]: its position
+    write_rows: torch.Tensor  # int64 [T]: its physical cache row
+    num_partitions: int | None  # split-KV of the decode form (None: the backend picks)
+    buffer_size: int | None  # key rows per prefill chunk (None: the backend picks)
+    max_position: int  # the longest sequence of the step (cached + new)
 
-    def write_cache(self, plan: "MLAPlan", layer_idx: int, q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor,
+    def chunks(self, buffer_size: int) -> "ChunkPlan":
+        """The prefill chunk plan for ``buffer_size`` rows per chunk (made once per plan)."""
+        ...
+
+
+class Backend:
+    """Subclass, set ``name``, and implement the four kernels; override the rest as needed."""
+
+    name: ClassVar[str]
+    cache_formats: ClassVar[tuple[str, ...]] = ALL_FORMATS  # CacheBatch.cache_format values it reads and writes
+    fallback: ClassVar[str | None] = None  # the backend plan() runs instead when supports() declines
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this backend cannot run in this process (None: it can); asked at every load."""
+        return None
+
+    def supports(self, plan: "PlanView") -> Literal[True] | str:
+        """True when this backend runs ``plan``'s step, else the reason it does not (checked once, in ``plan()``)."""
+        if plan.batch.cache_format not in self.cache_formats:
+            return f"it cannot read a {plan.batch.cache_format} cache"
+        return True
+
+    def result_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(output dtype, LSE dtype) of the kernels for inputs of ``dtype``."""
+        return dtype, torch.float32
+
+    # The kernels ----------------------------------------------------------------------------
+    def write_cache(self, plan: "PlanView", layer_idx: int, q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor,
                     kv_norm_gamma: torch.Tensor, epsilon: float, interleaved: bool) -> torch.Tensor:
         """Store RMSNorm(kv[:, :L]) * gamma and RoPE(kv[:, L:]) at ``plan.write_rows`` of layer
         ``layer_idx``; return q ``[T, H, Dn+R]`` with its rope part rotated at ``plan.token_pos``."""
-        ...
+        raise NotImplementedError
 
-    def decode(self, plan: "MLAPlan", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec",
+    def decode(self, plan: "PlanView", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec",
                kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed attention ``q_abs [T, H, L+R]`` over the cache -> ``out [T, H, L]``, ``lse [T, H]``
         (dense or ``spec.sparse``; split-KV by ``plan.num_partitions``)."""
-        ...
+        raise NotImplementedError
 
-    def prefill(self, plan: "MLAPlan", layer_idx: int, q_rot: torch.Tensor, w_k: torch.Tensor, w_uv: torch.Tensor,
+    def prefill(self, plan: "PlanView", layer_idx: int, q_rot: torch.Tensor, w_k: torch.Tensor, w_uv: torch.Tensor,
                 spec: "AttentionSpec") -> tuple[torch.Tensor, torch.Tensor]:
         """Dense up-projected attention ``q_rot [T, H, Dn+R]`` -> ``out [T, H, Dv]``, ``lse [T, H]``,
         chunked by ``plan.chunks(buffer_size)`` (``spec.sparse`` is always None here: the plan
         routes sparse prefill through ``decode``)."""
-        ...
+        raise NotImplementedError
 
-    def flare_mla_prefill(self, plan: "MLAPlan", layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def flare_mla_prefill(self, plan: "PlanView", layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           chunk: "ChunkRows", spec: "AttentionSpec", tile: "MlaConfigV2 | None") -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``; LSE over its keys."""
-        ...
+        raise NotImplementedError
+
+    # Around the decode form (defaults: openmla.combine's unfused definitions) ---------------
+    def absorb(self, q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]``."""
+        return combine.absorb(q_rot, w_uk)
+
+    def unabsorb(self, out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """``out_lat [T, H, L]``, ``w_uv [H, Dv, L]`` -> ``[T, H, Dv]``."""
+        return combine.unabsorb(out_lat, w_uv)
+
+    def __repr__(self) -> str:
+        return f"<openmla backend {self.name!r}>"

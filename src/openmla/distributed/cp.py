@@ -8,11 +8,11 @@ same ``prepare`` / ``commit`` / ``release`` calls, in the same order.
 
     cache = ContextParallelCache(grid, num_layers, num_pages)      # num_pages per rank
     batch = cache.prepare(ids, new_counts)     # reserves pages for this rank's new tokens only
-    step = cache.plan(batch, scale=cfg.softmax_scale)    # once per step (see cp_plan)
+    step = distributed.plan(batch, scale=cfg.softmax_scale)  # once per step (cp_plan)
     y = layer(hidden, step)                    # every layer; hidden is the same on every rank
     cache.commit(batch)
 
-``prepare`` and ``plan`` end with ``agree``: a bad input or a full page pool on any rank raises
+``prepare`` (and ``cp_plan.plan``) end with ``agree``: a bad input or a full page pool on any rank raises
 the same error on every rank, with nothing reserved anywhere.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -29,9 +29,6 @@ from ..cache import CacheBatch, CacheFullError, PagedLatentCache
 from .groups import Grid, agree, fingerprint
 from .layout import TokenLayout
 
-if TYPE_CHECKING:
-    from ..planning import MLAPlan
-    from .cp_plan import ContextParallelPlan
 
 
 @dataclass(eq=False)
@@ -71,10 +68,6 @@ class ContextParallelBatch:
     def with_blocks(self, blocks: torch.Tensor) -> "ContextParallelBatch":
         """The same step over other local storage of the same shape (a copy of the cache, say)."""
         return dataclasses.replace(self, local=self.local.with_blocks(blocks))
-
-    def plan(self, **options: Any) -> "ContextParallelPlan | MLAPlan":
-        """``self.cache.plan(self, **options)``."""
-        return self.cache.plan(self, **options)
 
 
 class ContextParallelCache:
@@ -224,24 +217,6 @@ class ContextParallelCache:
         """Free this rank's pages of ``seq_id`` and forget it."""
         self.local.release(seq_id)
         del self._lengths[seq_id]
-
-    # Planning --------------------------------------------------------------------------------------
-    def plan(self, batch: ContextParallelBatch, *, scale: float, **options: Any) -> "ContextParallelPlan | MLAPlan":
-        """Validate one step on every rank and precompute what every layer shares (once per step).
-
-        Takes ``openmla.plan``'s keywords (``mask``, ``window_size``, ``chunk_size``,
-        ``sparse_indices``, ``topk_lengths``, ``physical_indices``, ``attn_sink``,
-        ``num_partitions``, ``backend``, ...), with global meaning: query positions, masks and
-        logical sparse indices are positions in the whole sequence. With ``cp == 1`` it returns
-        the plain ``MLAPlan`` of the local cache; otherwise a ``ContextParallelPlan``. Sparse
-        indices under ``cp > 1`` must be logical positions (``physical_indices=False``): physical
-        rows name storage of one rank.
-        """
-        from .cp_plan import build_plan
-
-        if not isinstance(batch, ContextParallelBatch) or batch.cache is not self:
-            raise ValueError("batch: not a step of this cache")
-        return build_plan(self, batch, scale, options)
 
     def local_freqs(self, freqs_cis: torch.Tensor) -> torch.Tensor:
         """This rank's rope table: row ``j`` holds ``freqs_cis``'s row of the global position of

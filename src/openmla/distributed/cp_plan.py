@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from .. import combine
-from ..cache import CacheBatch
-from ..planning import MLAPlan, plan as make_plan
+from ..cache import CacheBatch, HostLists
+from ..planning import MLAPlan, Step, plan as make_plan
 from ..rope import apply_rope
+from ..weights import LayerWeights
 from .cp import ContextParallelBatch, ContextParallelCache
 from .groups import Grid, agree, fingerprint
 
@@ -42,8 +43,21 @@ ENTRY_BUDGET = 1 << 22
 KEEP_BUDGET = 1 << 24
 
 
-def build_plan(cache: ContextParallelCache, batch: ContextParallelBatch, scale: float, options: dict) -> "ContextParallelPlan | MLAPlan":
-    """``ContextParallelCache.plan``: validate on every rank, agree, then plan."""
+def plan(batch: ContextParallelBatch, *, scale: float, **options: Any) -> "ContextParallelPlan | MLAPlan":
+    """Validate one step of a ``ContextParallelCache`` on every rank and precompute what every layer
+    shares (once per step; every rank calls it together).
+
+    Takes ``openmla.plan``'s keywords (``mask``, ``window_size``, ``chunk_size``,
+    ``sparse_indices``, ``topk_lengths``, ``physical_indices``, ``attn_sink``,
+    ``num_partitions``, ``backend``, ...), with global meaning: query positions, masks and
+    logical sparse indices are positions in the whole sequence. With ``cp == 1`` it returns
+    the plain ``MLAPlan`` of the local cache; otherwise a ``ContextParallelPlan``. Sparse
+    indices under ``cp > 1`` must be logical positions (``physical_indices=False``): physical
+    rows name storage of one rank. Ends with ``agree``: a bad input on any rank raises on all.
+    """
+    if not isinstance(batch, ContextParallelBatch):
+        raise ValueError(f"batch: expected a ContextParallelBatch (ContextParallelCache.prepare), got {type(batch).__name__}")
+    cache = batch.cache
     grid = cache.grid
     error, check = None, 0
     result: Any = None
@@ -85,12 +99,12 @@ def _global_view(batch: ContextParallelBatch) -> CacheBatch:
         block_table=torch.zeros(batch.batch_size, width, dtype=torch.int32, device=device),
         cache_lengths=torch.tensor(batch.cache_lengths, dtype=torch.int32, device=device),
         input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
-        _host={},  # its own host state (replace would share the local batch's)
+        _host=HostLists(),  # its own host state (replace would share the local batch's)
     )
     return view
 
 
-class ContextParallelPlan:
+class ContextParallelPlan(Step):
     """One validated step of context-parallel attention (see the module doc); make it with
     ``ContextParallelCache.plan``. Per layer: ``run`` (the fused op, with the merge over the CP
     group). Attributes: ``spec`` (the step's ``AttentionSpec``, global meaning), ``num_tokens``,
@@ -114,6 +128,7 @@ class ContextParallelPlan:
         self.token_seq, self.token_pos = view.token_seq, view.token_pos
         device = batch.local.blocks.device
         self.own_rows = torch.nonzero(self.layout.owner(self.token_pos) == self.layout.rank).flatten().to(device)
+        self.kv_rows = self.own_rows  # Step: a layer projects only these rows' kv
         self._table = batch.local.block_table.to(device, torch.int64)
         self._offsets = view.batch.input_row_offsets.to(torch.int64)
         self._setup_lists()
@@ -185,7 +200,7 @@ class ContextParallelPlan:
             block_table=torch.zeros(B, max(1, -(-(t1 - t0) // ps)), dtype=torch.int32, device=local.blocks.device),
             cache_lengths=torch.zeros(B, dtype=torch.int32, device=local.blocks.device),
             input_row_offsets=offsets.to(local.blocks.device),
-            _host={},
+            _host=HostLists(),
         )
         plan = make_plan(view, scale=self.spec.scale, sparse_indices=self._rows(t0, t1), physical_indices=True,
                          num_partitions=self.num_partitions, backend=self.backend_name)
@@ -194,27 +209,27 @@ class ContextParallelPlan:
         return plan
 
     # The fused op, per layer --------------------------------------------------------------------------
-    def run(self, q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, kv_norm_gamma: torch.Tensor, layer_idx: int,
-            w_k: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, *, epsilon: float = 1e-6, rope_interleaved: bool = True,
+    def run(self, q: torch.Tensor, kv: torch.Tensor, layer_idx: int, weights: LayerWeights, freqs_cis: torch.Tensor, *,
             q_scale: torch.Tensor | float | None = None, attn_sink: torch.Tensor | None = None, return_lse: bool = False):
         """``MLAPlan.run`` over the CP group: ``q [T, H, Dn+R]`` (all T query rows, the same on
-        every CP rank), ``kv [T, L+R]`` or only the rows this rank stores (``[len(own_rows), L+R]``,
-        which saves projecting the others), weights as ``MLAPlan.run``. Returns the merged
+        every CP rank), ``kv [T, L+R]`` or only the rows this rank stores (``[len(kv_rows), L+R]``,
+        which saves projecting the others), ``weights`` as ``MLAPlan.run``. Returns the merged
         ``out [T, H, Dv]`` in q's dtype (and float32 ``lse [T, H]``), the same on every CP rank.
-        ``w_k`` is unused (the absorbed form runs). Every CP rank must call it, in the same order."""
+        ``weights.w_k`` is unused (the absorbed form runs). Every CP rank must call it, in the same order."""
         if q_scale is not None:
             raise ValueError("q_scale: float8 queries are not supported under context parallelism")
         T = self.num_tokens
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != T or not q.dtype.is_floating_point:
             raise ValueError(f"q: expected a float tensor [{T}, H, Dn+R], got {tuple(q.shape) if isinstance(q, torch.Tensor) else q!r}")
-        for name, t, rank in (("kv", kv, 2), ("kv_norm_gamma", kv_norm_gamma, 1), ("freqs_cis", freqs_cis, 2)):
+        for name, t, rank in (("kv", kv, 2), ("freqs_cis", freqs_cis, 2)):
             if not isinstance(t, torch.Tensor) or t.dim() != rank:
                 raise ValueError(f"{name}: expected a rank-{rank} tensor, got {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
-        H = q.shape[1]
-        L = kv_norm_gamma.shape[0]
-        if not isinstance(w_uk, torch.Tensor) or w_uk.dim() != 3 or w_uk.shape[:2] != (H, L):
-            raise ValueError(f"w_uk: expected shape ({H}, {L}, Dn), got {tuple(w_uk.shape) if isinstance(w_uk, torch.Tensor) else w_uk!r}")
-        Dn = w_uk.shape[2]
+        if not isinstance(weights, LayerWeights):
+            raise ValueError(f"weights: expected a LayerWeights, got {type(weights).__name__}")
+        H, L, Dn = q.shape[1], weights.kv_lora_rank, weights.qk_nope_head_dim
+        if weights.num_heads != H:
+            raise ValueError(f"weights: {weights.num_heads} heads, q has {H}")
+        kv_norm_gamma, w_uk, w_uv = weights.kv_norm_gamma, weights.w_uk, weights.w_uv
         n_own = self.own_rows.numel()
         if kv.shape[0] == T:
             kv = kv.index_select(0, self.own_rows.to(kv.device))
@@ -227,10 +242,10 @@ class ContextParallelPlan:
             raise ValueError(f"attn_sink: expected {H} heads, got {tuple(sink.shape) if isinstance(sink, torch.Tensor) else sink!r}")
         # 1. cache write of this rank's tokens (q here is a one-head stand-in: its rotation is not used)
         self.write.write_cache(q[:, :1].index_select(0, self.own_rows.to(q.device)), kv, self.cache.local_freqs(freqs_cis),
-                               kv_norm_gamma, layer_idx, epsilon=epsilon, rope_interleaved=rope_interleaved)
+                               kv_norm_gamma, layer_idx, epsilon=weights.epsilon, rope_interleaved=weights.rope_interleaved)
         # 2. every query rotated at its global position, absorbed
         q_rot = q.clone()
-        q_rot[..., Dn:] = apply_rope(q[..., Dn:], freqs_cis, self.token_pos.to(q.device), rope_interleaved)
+        q_rot[..., Dn:] = apply_rope(q[..., Dn:], freqs_cis, self.token_pos.to(q.device), weights.rope_interleaved)
         q_abs = combine.absorb(q_rot, w_uk)
         # 3. attention over this rank's keys, by query chunk
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32

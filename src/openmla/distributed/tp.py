@@ -20,9 +20,9 @@ import torch
 from ..cache import CacheBatch
 from ..config import MLAConfig
 from ..layer import LatentAttention, dequant_block_fp8, read_layer_tensors
-from ..planning import MLAPlan
+from ..planning import Step
+from . import cp_plan
 from .cp import ContextParallelBatch
-from .cp_plan import ContextParallelPlan
 from .groups import Grid
 
 _DEFAULT_FP8_BLOCK = (128, 128)  # DeepSeek-V3 / Kimi-K2 ``weight_block_size``
@@ -200,32 +200,28 @@ class TensorParallelAttention(LatentAttention):
         if self.tp_size > 1 and self.grid is None:
             raise ValueError("grid: a shard of a tensor-parallel layer needs its grid to all-reduce (TensorParallelAttention(grid=...))")
         if isinstance(step, ContextParallelBatch):
-            step = step.plan(scale=c.softmax_scale, **{"backend": self.backend, **plan_options})
+            step = cp_plan.plan(step, scale=c.softmax_scale, **{"backend": self.backend, **plan_options})
         elif isinstance(step, CacheBatch):
             step = self.plan(step, **plan_options)
-        elif not isinstance(step, (MLAPlan, ContextParallelPlan)):
+        elif not isinstance(step, Step):
             raise ValueError(f"step: expected a plan or a batch, got {type(step).__name__}")
         elif plan_options:
             raise ValueError(f"plan_options: {sorted(plan_options)} belong to the plan, not to a layer call")
         elif step.spec.scale != c.softmax_scale:
             raise ValueError(f"step: planned with scale {step.spec.scale}, this layer's config needs {c.softmax_scale}")
-        if isinstance(step, ContextParallelPlan) and step.grid is not self.grid:
+        if getattr(step, "grid", self.grid) is not self.grid:
             raise ValueError("step: planned on another grid than this layer's")
         T = hidden_states.shape[0]
         if T != step.num_tokens:
             raise ValueError(f"hidden_states: {T} rows, the step has {step.num_tokens} new tokens")
         q = self.project_q(hidden_states)
-        if isinstance(step, ContextParallelPlan):  # only the rows this rank stores need their kv
-            kv = self.kv_a_proj_with_mqa(hidden_states.index_select(0, step.own_rows.to(hidden_states.device)))
-        else:
-            kv = self.kv_a_proj_with_mqa(hidden_states)
+        rows = step.kv_rows  # under context parallelism only the rows this rank stores need their kv
+        kv = self.kv_a_proj_with_mqa(hidden_states if rows is None else hidden_states.index_select(0, rows.to(hidden_states.device)))
         sink = step.spec.attn_sink
         own_sink = None
         if sink is not None and sink.shape[-1] == self.model_config.num_heads != c.num_heads:
             own_sink = sink[..., self.heads].contiguous()
-        out = step.run(q, kv, self._freqs_for(step, hidden_states.device), self.kv_a_layernorm.weight, self.layer_idx,
-                       self.w_k, self.w_uk, self.w_uv, epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave,
-                       attn_sink=own_sink)
+        out = step.run(q, kv, self.layer_idx, self.weights, self._freqs_for(step, hidden_states.device), attn_sink=own_sink)
         y = self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim).to(self.o_proj.weight.dtype))
         return y if self.grid is None else self.grid.tp_all_reduce(y)
 

@@ -1,4 +1,4 @@
-"""The ``torch`` backend: pure PyTorch tensor ops (the CPU default; runs on any torch device).
+"""The ``torch`` backend: plain PyTorch tensor ops (runs on any torch device, never syncs with it).
 
 - ``cache_write``: RMSNorm + RoPE + paged scatter of a ragged batch, q rope.
 - ``decode``: absorbed (MQA) attention over the paged latent cache, split-KV, sparse, sinks.
@@ -9,11 +9,26 @@ FP8 caches (``fp8_e4m3``, ``fp8_ds_mla``): the cache write quantises through
 chunk's rows, so extra memory stays bounded by a block or a chunk.
 """
 
+from ..base import Backend
 from .cache_write import write_cache
 from .decode import decode
 from .prefill import flare_mla_prefill, prefill
 
-name = "torch"
-cache_formats = ("native", "fp8_e4m3", "fp8_ds_mla")
 
-__all__ = ["name", "cache_formats", "write_cache", "decode", "prefill", "flare_mla_prefill"]
+class TorchBackend(Backend):
+    name = "torch"
+
+    def write_cache(self, plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved):
+        return write_cache(plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved)
+
+    def decode(self, plan, layer_idx, q_abs, spec, kv_lora_rank):
+        return decode(plan, layer_idx, q_abs, spec, kv_lora_rank)
+
+    def prefill(self, plan, layer_idx, q_rot, w_k, w_uv, spec):
+        return prefill(plan, layer_idx, q_rot, w_k, w_uv, spec)
+
+    def flare_mla_prefill(self, plan, layer_idx, q, k, v, chunk, spec, tile=None):
+        return flare_mla_prefill(plan, layer_idx, q, k, v, chunk, spec, tile)
+
+
+__all__ = ["TorchBackend"]

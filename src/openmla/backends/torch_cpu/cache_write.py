@@ -15,7 +15,7 @@ import torch
 from ...cache import CacheBatch
 
 if TYPE_CHECKING:
-    from ...planning import MLAPlan
+    from ..base import PlanView
 
 __all__ = ["write_cache", "rotate"]
 
@@ -76,7 +76,7 @@ def _scatter(batch: CacheBatch, layer_idx: int, rows: torch.Tensor, entries: tor
 
 
 def write_cache(
-    plan: "MLAPlan",
+    plan: "PlanView",
     layer_idx: int,
     q: torch.Tensor,
     kv: torch.Tensor,

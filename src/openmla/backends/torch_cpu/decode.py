@@ -28,7 +28,7 @@ from ...cache import CacheBatch
 from ...masks import MaskVariant
 
 if TYPE_CHECKING:
-    from ...planning import MLAPlan
+    from ..base import PlanView
     from ...spec import AttentionSpec
 from ...combine import apply_sink, merge_states
 
@@ -383,7 +383,7 @@ class _Ctx:
 
     q: torch.Tensor  # [T, H, D] in the matmul dtype, sign folded so that the scale is >= 0
     keys: _PagedKeys
-    plan: "MLAPlan"
+    plan: "PlanView"
     a: float  # scale * log2(e), >= 0
     L: int  # value columns (kv_lora_rank)
     mask: MaskVariant
@@ -524,7 +524,7 @@ def _run(ctx: _Ctx, sparse) -> None:
 
 @torch.no_grad()
 def decode(
-    plan: "MLAPlan", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec", kv_lora_rank: int
+    plan: "PlanView", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec", kv_lora_rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed attention: ``q_abs [T, H, L+R]`` against the cache rows of ``layer_idx``.
 

@@ -31,12 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...cache import CacheBatch
+from ...chunks import default_buffer_size
 from ...combine import apply_sink
 from ...masks import MaskVariant
 
 if TYPE_CHECKING:
-    from ...planning import ChunkRows, MLAPlan
+    from ...chunks import ChunkRows
     from ...spec import AttentionSpec
+    from ..base import PlanView
 
 NEG_INF = float("-inf")
 F32 = torch.float32
@@ -53,9 +55,6 @@ DEFAULT_BLOCK_M = 256
 DEFAULT_BLOCK_N = 512
 MIN_BLOCK_M = 128
 SCORE_BLOCK_ELEMS = 4 * 2**20
-# Default chunk: the up-projected K/V buffer of one chunk stays around this many bytes.
-KV_BUFFER_BYTES = 256 * 2**20
-MIN_BUFFER_ROWS = 256
 # A key block of which a query block sees less than 1/SLICE_BELOW is sliced (copied) instead
 # of computed whole and masked.
 SLICE_BELOW = 4 / 3
@@ -120,14 +119,6 @@ def pick_tiles(tile, num_heads: int) -> tuple[int, int]:
         else:
             bn //= 2
     return bm, bn
-
-
-def default_buffer_size(num_heads: int, q_depth: int, v_depth: int, latent: int, dtype: torch.dtype) -> int:
-    """Key rows per chunk so that the chunk's up-projected keys and values (plus its gathered
-    latent rows) stay within ``KV_BUFFER_BYTES``."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    per_row = elt * (num_heads * (q_depth + v_depth) + 2 * latent)
-    return max(MIN_BUFFER_ROWS, KV_BUFFER_BYTES // per_row)
 
 
 def fully_visible(mask: MaskVariant, p_lo: int, p_hi: int, kv_len: int) -> tuple[int, int]:
@@ -442,7 +433,7 @@ def visible_span(mask: MaskVariant, work_q: tuple[int, int], k_lo: int, k_hi: in
 
 # flare_mla_prefill -------------------------------------------------------------------
 def flare_mla_prefill(
-    plan: "MLAPlan",
+    plan: "PlanView",
     layer_idx: int,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -542,13 +533,13 @@ def up_project(
 
 
 def prefill(
-    plan: "MLAPlan", layer_idx: int, q_rot: torch.Tensor, w_k: torch.Tensor, w_uv: torch.Tensor, spec: "AttentionSpec",
+    plan: "PlanView", layer_idx: int, q_rot: torch.Tensor, w_k: torch.Tensor, w_uv: torch.Tensor, spec: "AttentionSpec",
     tile=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense prefill form over the paged cache (this step's tokens already written).
 
     ``q_rot [T, H, Dn+R]``, ``w_k [H*Dn, L]``, ``w_uv [H, Dv, L]``. Keys are taken in chunks of at
-    most ``plan.buffer_size`` rows (None: about ``KV_BUFFER_BYTES`` of K/V). Returns
+    most ``plan.buffer_size`` rows (None: about ``chunks.KV_BUFFER_BYTES`` of K/V). Returns
     ``out [T, H, Dv]`` (q's dtype) and float32 ``lse [T, H]`` (sink excluded)."""
     batch, scale, mask = plan.batch, spec.scale, spec.mask
     T, H, Dq = q_rot.shape

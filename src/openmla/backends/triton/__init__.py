@@ -6,7 +6,7 @@
 - ``merge``: LSE merge of partial attentions, with the attention sink (decode stage 2,
   and the chunk merge of long prefill).
 - ``prefill``: flash-attention forward of the up-projected (MHA) form, and the chunked driver.
-- ``api``: the backend interface ``openmla.ops`` calls (see ``openmla.backends``).
+- ``backend``: ``TritonBackend``, the class ``openmla.plan`` drives (see ``openmla.backends``).
 
-Importing this package does not import triton; ``api`` (and the kernel modules) do.
+Importing this package does not import triton; ``backend`` (and the kernel modules) do.
 """

@@ -1,0 +1,149 @@
+"""The one route from a plan to its backend's kernels, for eager and compiled calls alike.
+
+``write`` (cache write + q rope) and ``attention`` (the decode or prefill form) run the same
+function either way: eagerly it is called directly; under ``torch.compile`` through an
+``openmla::`` custom op whose implementation is that function. The op carries the plan as a
+``PlanHandle``, an opaque reference that ``torch.compile`` makes an input of the graph (never
+baked in), so a new plan each step reuses the graph; the tensors a kernel reads that the graph
+may produce or mutate (q, kv, weights, the cache storage, sparse lists, sinks) travel as
+arguments so the graph orders them. Outputs are in the backend's ``result_dtypes`` (one rule);
+the plan's public methods then cast to the caller's dtype.
+
+| op | mutates | returns |
+|---|---|---|
+| ``openmla::write_cache`` | ``blocks`` (the cache) | q with its rope part rotated |
+| ``openmla::attention`` (``form="decode"``) | - | ``(out [T, H, L], lse [T, H])`` from absorbed q |
+| ``openmla::attention`` (``form="prefill"``) | - | ``(out [T, H, Dv], lse [T, H])`` from roped q, ``w_k``, ``w_uv`` |
+
+Inference only: no autograd formulas are registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+if TYPE_CHECKING:
+    from .backends.base import PlanView
+    from .chunks import ChunkRows, MlaConfigV2
+    from .spec import AttentionSpec
+
+Tensor = torch.Tensor
+
+
+class PlanHandle(OpaqueBase):
+    """A weak reference to one plan, for the custom ops (``plan.handle``; it never outlives its plan's use)."""
+
+    def __init__(self, plan: "PlanView") -> None:
+        self._plan = weakref.ref(plan)
+
+    @property
+    def plan(self):
+        plan = self._plan()
+        if plan is None:
+            raise RuntimeError("openmla: a plan handle was used after its plan was freed; keep the plan alive for the step")
+        return plan
+
+
+register_opaque_type(PlanHandle, typ="reference")
+
+
+def _over(plan, blocks: Tensor):
+    """The plan over ``blocks``: itself, or a view when the graph hands the op another tensor (a
+    functionalised copy of the cache, say), which is the one the op must read and write."""
+    return plan if blocks is plan.batch.blocks else plan.with_blocks(blocks)
+
+
+# The cache write ----------------------------------------------------------------------
+def _write(plan, layer_idx: int, q: Tensor, kv: Tensor, freqs_cis: Tensor, gamma: Tensor, epsilon: float,
+           interleaved: bool) -> Tensor:
+    if plan.max_position > freqs_cis.shape[0]:
+        raise ValueError(f"freqs_cis: has {freqs_cis.shape[0]} positions, the batch reaches position {plan.max_position - 1}")
+    out = plan.backend.write_cache(plan, layer_idx, q, kv, freqs_cis, gamma, epsilon, interleaved)
+    return out.to(plan.backend.result_dtypes(q.dtype)[0]).contiguous()
+
+
+@torch.library.custom_op("openmla::write_cache", mutates_args=("blocks",))
+def _write_op(q: Tensor, kv: Tensor, freqs_cis: Tensor, kv_norm_gamma: Tensor, blocks: Tensor, plan: PlanHandle,
+              layer_idx: int, epsilon: float, rope_interleaved: bool, out_dtype: torch.dtype) -> Tensor:
+    return _write(_over(plan.plan, blocks), layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, rope_interleaved)
+
+
+@_write_op.register_fake
+def _(q, kv, freqs_cis, kv_norm_gamma, blocks, plan, layer_idx, epsilon, rope_interleaved, out_dtype):
+    return q.new_empty(q.shape, dtype=out_dtype)
+
+
+def write(plan, layer_idx: int, q: Tensor, kv: Tensor, freqs_cis: Tensor, gamma: Tensor, epsilon: float,
+          interleaved: bool) -> Tensor:
+    """Store this step's entries of ``layer_idx``; returns q with its rope part rotated."""
+    if torch.compiler.is_compiling():
+        return torch.ops.openmla.write_cache(q, kv, freqs_cis, gamma, plan.batch.blocks, plan.handle, layer_idx, epsilon,
+                                             interleaved, plan.backend.result_dtypes(q.dtype)[0])
+    return _write(plan, layer_idx, q, kv, freqs_cis, gamma, epsilon, interleaved)
+
+
+# Attention ------------------------------------------------------------------------------
+def _spec(plan, sparse_indices: Optional[Tensor], topk_lengths: Optional[Tensor], attn_sink: Optional[Tensor]) -> "AttentionSpec":
+    """The plan's spec with this call's tensors (the same objects eagerly: nothing is rebuilt)."""
+    spec = plan.spec
+    if attn_sink is not spec.attn_sink:
+        spec = spec.with_sink(attn_sink)
+    s = spec.sparse
+    if s is not None and (sparse_indices is not s.indices or topk_lengths is not s.topk_lengths):
+        spec = dataclasses.replace(spec, sparse=dataclasses.replace(s, indices=sparse_indices, topk_lengths=topk_lengths))
+    return spec
+
+
+def _attention(plan, form: str, layer_idx: int, q: Tensor, kv_lora_rank: int, w_k: Optional[Tensor], w_uv: Optional[Tensor],
+               sparse_indices: Optional[Tensor], topk_lengths: Optional[Tensor], attn_sink: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    spec = _spec(plan, sparse_indices, topk_lengths, attn_sink)
+    backend = plan.backend
+    if form == "decode":
+        out, lse = backend.decode(plan, layer_idx, q, spec, kv_lora_rank)
+    else:
+        out, lse = backend.prefill(plan, layer_idx, q, w_k, w_uv, spec)
+    out_dtype, lse_dtype = backend.result_dtypes(q.dtype)
+    return out.to(out_dtype).contiguous(), lse.to(lse_dtype).contiguous()
+
+
+@torch.library.custom_op("openmla::attention", mutates_args=())
+def _attention_op(q: Tensor, w_k: Optional[Tensor], w_uv: Optional[Tensor], blocks: Tensor, plan: PlanHandle, form: str,
+                  layer_idx: int, kv_lora_rank: int, sparse_indices: Optional[Tensor], topk_lengths: Optional[Tensor],
+                  attn_sink: Optional[Tensor], out_dtype: torch.dtype, lse_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _attention(_over(plan.plan, blocks), form, layer_idx, q, kv_lora_rank, w_k, w_uv, sparse_indices, topk_lengths,
+                      attn_sink)
+
+
+@_attention_op.register_fake
+def _(q, w_k, w_uv, blocks, plan, form, layer_idx, kv_lora_rank, sparse_indices, topk_lengths, attn_sink, out_dtype, lse_dtype):
+    T, H, _ = q.shape
+    width = kv_lora_rank if form == "decode" else w_uv.shape[1]
+    return q.new_empty((T, H, width), dtype=out_dtype), q.new_empty((T, H), dtype=lse_dtype)
+
+
+def attention(plan, form: str, layer_idx: int, q: Tensor, spec: "AttentionSpec", *, kv_lora_rank: int = 0,
+              w_k: Tensor | None = None, w_uv: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The ``decode`` form (absorbed ``q [T, H, L+R]`` -> ``[T, H, L]``) or the dense ``prefill`` form
+    (roped ``q [T, H, Dn+R]``, ``w_k``, ``w_uv`` -> ``[T, H, Dv]``), with ``spec`` (the plan's, or
+    the plan's with this layer's sink)."""
+    sparse = spec.sparse
+    args = (None if sparse is None else sparse.indices, None if sparse is None else sparse.topk_lengths, spec.attn_sink)
+    if torch.compiler.is_compiling():
+        out_dtype, lse_dtype = plan.backend.result_dtypes(q.dtype)
+        return torch.ops.openmla.attention(q, w_k, w_uv, plan.batch.blocks, plan.handle, form, layer_idx, kv_lora_rank,
+                                           *args, out_dtype, lse_dtype)
+    return _attention(plan, form, layer_idx, q, kv_lora_rank, w_k, w_uv, *args)
+
+
+# One prefill chunk with given keys (the seeds' flare_mla_prefill; eager: a kernel-level entry) --
+def flare_prefill(plan, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, chunk: "ChunkRows",
+                  tile: "MlaConfigV2 | None") -> tuple[Tensor, Tensor]:
+    """``q [T, H, Dn+R]`` (roped) over one chunk of up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``
+    (their rope part read from the cache); LSE over this chunk's keys, no sink."""
+    return plan.backend.flare_mla_prefill(plan, layer_idx, q, k, v, chunk, plan.spec.with_sink(None), tile)
