@@ -41,6 +41,8 @@ def test_family_tokens_equal_transformers(case):
     prompts = prompts_for()
     want_tokens, want_logits = transformers_greedy(model, prompts)
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    text = model.config.get_text_config()
+    impl, originals = text._attn_implementation, [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     cache = attach(model, num_pages=40, page_size=8)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # shared: same names, same tensors
     got, logits, _ = run_stream(model, prompts)  # one continuous batch
@@ -50,7 +52,9 @@ def test_family_tokens_equal_transformers(case):
         assert max(errs) <= TOL, (i, errs)
     assert [generate(model, [p], NEW)[0] for p in prompts] == want_tokens  # one at a time
     assert cache.num_free_pages == cache.num_pages
-    detach(model)
+    detach(model)  # transformers' modules and attention implementation are back (a composite's text model's only)
+    assert [m for m in model.modules() if type(m).__name__.endswith("Attention")] == originals
+    assert text._attn_implementation == impl
 
 
 # Refusals: before the model is changed, naming the class and what is not reproduced ------------------
@@ -107,3 +111,20 @@ def test_attach_refuses_what_it_does_not_reproduce(what):
     with pytest.raises(ValueError, match=f"{PRESETS[case].model_class}: .*{message}"):
         attach(model, num_pages=4)
     _unchanged(model, originals, impl)
+
+
+def test_longrope_runs_below_its_original_length_and_is_refused_past_it():
+    """MiniCPM3-4B's rope is longrope: short factors up to original_max_position_embeddings, past which
+    transformers switches every position to the long factors. The table holds the short ones; a
+    request that would pass the original length is a ValueError before it runs."""
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=80, factor=4.0,
+                short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[2.0 + 0.3 * i for i in range(16)])
+    model = presets.build("minicpm3", "test", rope_parameters=rope, max_position_embeddings=320)
+    prompts = prompts_for()[1:3]
+    want, _ = transformers_greedy(model, prompts)
+    attach(model, num_pages=40, page_size=8)
+    assert model.model.rotary_emb.attention_scaling != 1.0  # factor 4: cos and sin carry a magnitude
+    assert generate(model, prompts, NEW) == want
+    with pytest.raises(ValueError, match="position 80.*longrope"):
+        generate(model, [list(range(70))], 12)
+    assert generate(model, [list(range(70))], 11)  # feeds positions up to 79 (the last token is not fed back)

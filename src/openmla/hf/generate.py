@@ -36,7 +36,7 @@ class TokenEvent:
     logits: torch.Tensor | None = None  # [vocab] float32 logits it was chosen from, with return_logits=True
 
 
-def _check_prompts(prompts: Seq, vocab_size: int, capacity: int, max_new_tokens: int) -> list[list[int]]:
+def _check_prompts(prompts: Seq, vocab_size: int, capacity: int, max_new_tokens: int, rope_limit: int | None = None) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
         raise ValueError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
     out = []
@@ -56,6 +56,10 @@ def _check_prompts(prompts: Seq, vocab_size: int, capacity: int, max_new_tokens:
         if need > capacity:
             raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_new_tokens {max_new_tokens} need {need} cache slots, "
                              f"the cache holds {capacity} (num_pages x page_size)")
+        if rope_limit is not None and need > rope_limit:
+            raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_new_tokens {max_new_tokens} reach position {need - 1}; this "
+                             f"model's rope (longrope) is static only below position {rope_limit}, and transformers changes "
+                             "every position's frequencies past it")
         out.append(list(p))
     return out
 
@@ -97,7 +101,7 @@ def stream(
     if not isinstance(limits, Limits):
         raise ValueError(f"limits: expected an openmla.hf.Limits, got {type(limits).__name__}")
     cache = state.cache
-    checked = _check_prompts(prompts, state.vocab_size, cache.num_pages * cache.page_size, max_new_tokens)
+    checked = _check_prompts(prompts, state.vocab_size, cache.num_pages * cache.page_size, max_new_tokens, state.rope.limit)
     return _run(model, checked, max_new_tokens, sampling, _eos_set(eos_token_id), limits, stats, return_logits)
 
 

@@ -61,14 +61,15 @@ _VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_at
                pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
 
 
-def family_config(name: str, size: str = "test") -> Any:
-    """A transformers config of family ``name`` (a key of ``PRESETS``) at ``size`` (``"test"`` or ``"demo"``)."""
+def family_config(name: str, size: str = "test", **overrides: Any) -> Any:
+    """A transformers config of family ``name`` (a key of ``PRESETS``) at ``size`` (``"test"`` or ``"demo"``);
+    ``overrides``: further config keywords."""
     import transformers
 
     if name not in PRESETS or size not in _SIZES:
         raise ValueError(f"name/size: expected one of {sorted(PRESETS)} and {sorted(_SIZES)}, got {name!r}, {size!r}")
     p = PRESETS[name]
-    kwargs = dict(_SIZES[size], **_IDS, **(_MOE[size] if p.moe else {}), **(_TOPK[size] if p.topk else {}), **p.extra)
+    kwargs = {**_SIZES[size], **_IDS, **(_MOE[size] if p.moe else {}), **(_TOPK[size] if p.topk else {}), **p.extra, **overrides}
     if p.topk and "indexer_types" in getattr(transformers, p.config_class).__dataclass_fields__:
         kwargs["indexer_types"] = ["full", "shared"] * (kwargs["num_hidden_layers"] // 2)  # every other layer reuses picks
     if name == "kimi_k25":
@@ -78,13 +79,13 @@ def family_config(name: str, size: str = "test") -> Any:
     return getattr(transformers, p.config_class)(**kwargs)
 
 
-def build(name: str, size: str = "test", *, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def build(name: str, size: str = "test", *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A random model of family ``name`` in eval mode; ``generation_config.eos_token_id`` is None (a random
-    model may emit any id: every run generates all its tokens)."""
+    model may emit any id: every run generates all its tokens). ``overrides``: further config keywords."""
     import transformers
 
     torch.manual_seed(seed)
-    config = family_config(name, size)
+    config = family_config(name, size, **overrides)
     model = getattr(transformers, PRESETS[name].model_class)._from_config(config, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     return model
