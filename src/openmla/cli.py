@@ -8,33 +8,13 @@ import os
 import sys
 
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from . import hardware
+from .cli_options import AUTO_DTYPE_HELP, CACHE_DTYPES, DTYPES, cache_dtype, console, dtype_name, model_dtype
 from .config import PRESETS, preset
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_ds_mla")
-
-
-AUTO_DTYPE_HELP = "model dtype (auto: bf16 where this CPU multiplies bf16 at full speed, else fp32)"
-
-
-def _model_dtype(args: argparse.Namespace) -> torch.dtype:
-    """``--dtype``; ``auto`` asks ``openmla.hardware`` (bf16 where the CPU has bf16 dot products)."""
-    return hardware.model_dtype(DTYPES.get(args.dtype))
-
-
-def _name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def _cache_dtype(args: argparse.Namespace):
-    """``--cache-dtype``: ``same`` stores entries in the compute dtype, else an fp8 format."""
-    return None if args.cache_dtype == "same" else args.cache_dtype
-console = Console()
 
 
 def _si(x: float, unit: str) -> str:
@@ -54,7 +34,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return cmd_model_demo(args)
 
     cfg = preset(args.preset, args.heads)
-    dtype = _model_dtype(args)
+    dtype = model_dtype(args)
     grid = None
     if args.tp * args.cp > 1 or os.environ.get("WORLD_SIZE"):  # torchrun: heads over --tp ranks, cache over --cp
         from .distributed.demo import demo_grid
@@ -62,7 +42,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         grid = demo_grid(args, console)
     console.print(f"[bold]openmla demo[/]: {cfg.name} attention layer, {cfg.num_heads} heads "
                   f"(L={cfg.kv_lora_rank}, R={cfg.qk_rope_head_dim}, Dn={cfg.qk_nope_head_dim}, Dv={cfg.v_head_dim}, "
-                  f"hidden={cfg.hidden_size}), {_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
+                  f"hidden={cfg.hidden_size}), {dtype_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
     console.print(f"serving {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, "
                   f"{args.gen_min}-{args.gen_max} generated, at most {args.max_running} running")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
@@ -75,10 +55,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         report = run_demo(cfg, num_requests=args.requests, max_running=args.max_running,
                           prompt_range=(args.prompt_min, args.prompt_max), gen_range=(args.gen_min, args.gen_max),
                           page_size=args.page_size, num_pages=args.num_pages, dtype=dtype,
-                          cache_dtype=_cache_dtype(args), backend=args.backend,
+                          cache_dtype=cache_dtype(args), backend=args.backend,
                           seed=args.seed, check=not args.no_check, on_step=on_step, grid=grid, interleave=args.interleave)
     peak = report.matmul_flops_per_s
-    table = Table(title=f"openmla demo — backend {report.backend}, {_name(dtype)}, {cfg.num_heads} heads")
+    table = Table(title=f"openmla demo — backend {report.backend}, {dtype_name(dtype)}, {cfg.num_heads} heads")
     for col in ("phase", "tokens", "steps", "seconds", "tokens/s", "achieved", "of matmul rate"):
         table.add_column(col, justify="right" if col != "phase" else "left")
     for name, st in (("prefill", report.prefill), ("decode", report.decode)):
@@ -86,7 +66,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       _si(st.flops_per_s, "FLOP/s"), f"{st.flops_per_s / peak:.2f}")
     console.print(table)
     facts = Table(show_header=False, box=None)
-    facts.add_row(f"{_name(dtype)} matmul rate (this run)", _si(peak, "FLOP/s"))
+    facts.add_row(f"{dtype_name(dtype)} matmul rate (this run)", _si(peak, "FLOP/s"))
     facts.add_row("CPU", hardware.describe())
     facts.add_row("requests served", str(report.requests))
     facts.add_row("cache pages", f"peak {report.peak_pages} of {report.num_pages} (page {report.page_size}), "
@@ -157,15 +137,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .benchmarks import run_bench, save_results
 
-    dtype = _model_dtype(args)
+    dtype = model_dtype(args)
     rows, peak = run_bench(preset_name=args.preset, heads=args.heads, contexts=args.contexts, batch=args.batch,
-                           page_size=args.page_size, dtype=dtype, cache_dtype=_cache_dtype(args), backend=args.backend,
+                           page_size=args.page_size, dtype=dtype, cache_dtype=cache_dtype(args), backend=args.backend,
                            baselines=not args.no_baselines,
                            repeats=args.repeats, log=lambda s: console.print(s, highlight=False))
     from .backends import resolve_backend_name
 
     ran = resolve_backend_name(args.backend, torch.device("cpu"))
-    table = Table(title=f"openmla bench — backend {ran}, {_name(dtype)}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
+    table = Table(title=f"openmla bench — backend {ran}, {dtype_name(dtype)}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
     for col in ("phase", "impl", "heads", "context", "batch", "ms", "achieved", "of matmul", "openmla speed-up"):
         table.add_column(col, justify="left" if col in ("phase", "impl") else "right")
     ours = {(r.phase, r.heads, r.context): r.seconds for r in rows if r.impl.startswith("openmla")}

@@ -79,16 +79,6 @@ class DemoReport:
     storage_bytes: int = 0  # this process's page pool
 
 
-def _init_weights(layer: LatentAttention, seed: int) -> None:
-    """Random weights with unit-variance activations (std 1/sqrt(fan_in)); norms at 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-    layer.split_kv_b()
-
-
 @torch.inference_mode()
 def _reference_check(layer: LatentAttention, hidden: torch.Tensor, batch: CacheBatch, layer_out: torch.Tensor) -> float:
     """Re-run one step with the float64 reference backend on a copy of the cache; relative error."""
@@ -134,7 +124,7 @@ def run_demo(
     max_position = prompt_range[1] + gen_range[1] + 1
     if grid is None:
         layer = LatentAttention(config, 0, dtype=dtype, backend=backend, max_position=max_position)
-        _init_weights(layer, seed)
+        layer.randomize_(seed)
     else:
         from .distributed.demo import sharded_layer
 

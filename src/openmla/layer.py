@@ -177,6 +177,17 @@ class LatentAttention(nn.Module):
         self._refresh_weights()
         return out
 
+    @torch.no_grad()
+    def randomize_(self, seed: int) -> "LatentAttention":
+        """Random weights for demos and benchmarks: unit-variance activations (std 1/sqrt(fan_in)),
+        norms at 1; the same ``seed`` gives the same weights."""
+        g = torch.Generator().manual_seed(seed)
+        for p in self.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+        self.split_kv_b()
+        return self
+
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected ``{hf_name: shape}`` of this layer's tensors (names without the layer prefix)."""
         return {name: tuple(p.shape) for name, p in self.named_parameters()}

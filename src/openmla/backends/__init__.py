@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import Backend
-
-if TYPE_CHECKING:
-    from ..planning import MLAPlan
+from .base import Backend, PlanView
 
 # name -> "module:class"; a new backend is one more line.
 REGISTRY: dict[str, str] = {
@@ -61,7 +56,7 @@ def load_backend(name: str) -> Backend:
     return _LOADED[name]
 
 
-def choose_backend(name: str, plan: "MLAPlan") -> tuple[Backend, str | None]:
+def choose_backend(name: str, plan: PlanView) -> tuple[Backend, str | None]:
     """The backend that runs ``plan``: ``name``'s, or its fallback when it declines the step, with
     the reason (None when ``name``'s runs). ``ValueError`` when neither runs it."""
     backend = load_backend(name)

@@ -33,10 +33,8 @@ def demo_grid(args: argparse.Namespace, console) -> Grid | None:
 
 def sharded_layer(config: MLAConfig, grid: Grid, seed: int, **kwargs) -> TensorParallelAttention:
     """This rank's heads of the demo's layer: the one-process demo's weights, split by head."""
-    from ..demo import _init_weights
-
     whole = LatentAttention(config, 0, **kwargs)
-    _init_weights(whole, seed)
+    whole.randomize_(seed)
     layer = TensorParallelAttention(config, 0, grid=grid, **kwargs)
     layer.load_hf_state_dict(whole.state_dict())
     return layer

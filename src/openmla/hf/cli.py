@@ -96,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from ..cli import DTYPES, _cache_dtype, console
+    from ..cli_options import DTYPES, cache_dtype, console
     from . import GenerationStats, Limits, Sampling, attach, attachment, stream
 
     folder = args.model_dir
@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     num_pages = args.num_pages
     if num_pages is None:
         num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in prompts)
-    cache = attach(model, num_pages=num_pages, page_size=args.page_size, cache_dtype=_cache_dtype(args), backend=args.backend)
+    cache = attach(model, num_pages=num_pages, page_size=args.page_size, cache_dtype=cache_dtype(args), backend=args.backend)
     console.print(f"[bold]openmla generate[/]: {type(model).__name__} from {folder} ({len(attachment(model).layers)} layers, "
                   f"{args.dtype}, loaded in {t_load:.1f} s); {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens; "
                   f"cache {num_pages} pages x {args.page_size} ({cache.cache_format}); {torch.get_num_threads()} threads")
@@ -155,13 +155,13 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from ..cli import _cache_dtype, _model_dtype, _name, console
+    from ..cli_options import cache_dtype, console, dtype_name, model_dtype
     from .demo import run_model_demo
 
-    dtype = _model_dtype(args)  # --dtype auto: bf16 where this CPU multiplies it at full speed
+    dtype = model_dtype(args)  # --dtype auto: bf16 where this CPU multiplies it at full speed
     max_new = args.gen_max
     console.print(f"[bold]openmla demo --model {args.model}[/]: a random whole transformers MLA model on openmla, "
-                  f"{_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
+                  f"{dtype_name(dtype)}, page {args.page_size}, {torch.get_num_threads()} threads")
     console.print(f"serving {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, {max_new} generated each, "
                   f"at most {args.max_running} running")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
@@ -169,10 +169,10 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
         report = run_model_demo(model_name=args.model, num_requests=args.requests, prompt_range=(args.prompt_min, args.prompt_max),
                                 max_new_tokens=max_new,
                                 max_running=args.max_running, page_size=args.page_size, num_pages=args.num_pages, dtype=dtype,
-                                cache_dtype=_cache_dtype(args), backend=args.backend, seed=args.seed,
+                                cache_dtype=cache_dtype(args), backend=args.backend, seed=args.seed,
                                 on_event=lambda ev: progress.advance(task))
     st = report.stats
-    table = Table(title=f"openmla demo — {report.model}, {_name(dtype)}")
+    table = Table(title=f"openmla demo — {report.model}, {dtype_name(dtype)}")
     for col in ("steps", "count", "prompt tokens", "generated tokens", "seconds", "tokens/s"):
         table.add_column(col, justify="left" if col == "steps" else "right")
     mixed = [s for s in st.steps if s.prefill_tokens]
@@ -200,7 +200,7 @@ def cmd_model_demo(args: argparse.Namespace) -> int:
     # top-k selection in bf16/fp16: near-ties at the cut can pick other keys than transformers does
     # (7% seen at a 458-token prompt, top 64); float32 checks the sparse model at 1e-4 too. An fp8
     # latent cache rounds every entry to e4m3 (transformers keeps them exact): 4-12% seen.
-    fp8 = isinstance(_cache_dtype(args), str)
+    fp8 = isinstance(cache_dtype(args), str)
     tol = 1e-4 if dtype == torch.float32 else (0.1 if report.sparse_topk else 3e-2)
     note = " (top-k cut in low precision: --dtype fp32 checks at 1e-4)" if report.sparse_topk and dtype != torch.float32 else ""
     if fp8:
@@ -233,7 +233,7 @@ def family_dims(family) -> str:
 def cmd_models(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from ..cli import console
+    from ..cli_options import console
     from .families import FAMILIES, REFUSED
     from .presets import DEMO_MODELS
 
