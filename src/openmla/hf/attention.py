@@ -6,7 +6,7 @@ same parameter tensors under the same names: nothing is copied), and answers tra
 attention call: the decoder layer hands it ``hidden_states [1, T, hidden]`` of one packed ragged
 step and the step's plan under the keyword ``openmla_step``; it returns ``([1, T, hidden], None)``
 (and the step's top-k picks as a third value for families whose layers share them). The only
-tensors it owns are ``LatentAttention``'s derived ``kv_b_proj`` layouts (``w_k``, ``w_uk``, ``w_uv``).
+tensors it owns are ``LatentAttention``'s derived ``kv_b_proj`` layouts (``weights``: ``w_k``, ``w_uk``, ``w_uv``).
 
 What differs between families is read from the layer's ``Family`` (``openmla.hf.families``):
 how the query is projected, a query scale by position, an output gate, sinks, a top-k indexer.
@@ -59,7 +59,7 @@ class AttachedAttention(LatentAttention):
         layer.indexer = getattr(module, "indexer", None)
         layer.family, layer.rope, layer.clock, layer.query_scale = family, rope, clock, query_scale
         layer.freqs_cis = None  # the rope comes from ``rope``, the model's own table
-        layer.split_kv_b()  # w_k, w_uk, w_uv become real tensors, derived from the adopted kv_b_proj
+        layer.split_kv_b()  # weights (w_k, w_uk, w_uv) become real tensors, derived from the adopted kv_b_proj
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
         mine = {n for n, _ in layer.named_parameters()}
         if left or mine != {n for n, _ in module.named_parameters()}:  # a bug here, not the user's
@@ -143,11 +143,7 @@ class AttachedAttention(LatentAttention):
         sink = self.sinks.float() if f.sinks else None
         table = self.rope.table(step.max_position, hidden.device)
         t0 = self.clock.now() if self.clock.on else 0.0
-        if hasattr(self, "weights"):  # LayerWeights: run(q, kv, layer_idx, weights, freqs_cis)
-            out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
-        else:  # the split tensors one by one (until LayerWeights lands everywhere)
-            out = step.run(q, kv, table, self.kv_a_layernorm.weight, self.layer_idx, self.w_k, self.w_uk, self.w_uv,
-                           epsilon=c.rms_norm_eps, rope_interleaved=c.rope_interleave, attn_sink=sink)
+        out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
         if self.clock.on:
             self.clock.kernels += self.clock.now() - t0
         if gate is not None:

@@ -9,6 +9,7 @@ A family with a MoE gets a small one; a top-k family keeps 8 (test) or 64 (demo)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,8 @@ def family_config(name: str, size: str = "test", **overrides: Any) -> Any:
     if name not in PRESETS or size not in _SIZES:
         raise ValueError(f"name/size: expected one of {sorted(PRESETS)} and {sorted(_SIZES)}, got {name!r}, {size!r}")
     p = PRESETS[name]
-    kwargs = {**_SIZES[size], **_IDS, **(_MOE[size] if p.moe else {}), **(_TOPK[size] if p.topk else {}), **p.extra, **overrides}
+    extra = copy.deepcopy(p.extra)  # a config keeps the dicts it is given (rope_parameters): never the table's own
+    kwargs = {**_SIZES[size], **_IDS, **(_MOE[size] if p.moe else {}), **(_TOPK[size] if p.topk else {}), **extra, **overrides}
     if p.topk and "indexer_types" in getattr(transformers, p.config_class).__dataclass_fields__:
         kwargs["indexer_types"] = ["full", "shared"] * (kwargs["num_hidden_layers"] // 2)  # every other layer reuses picks
     if name == "kimi_k25":
