@@ -1,5 +1,5 @@
-"""Run the Triton kernels through Triton's interpreter when no CUDA device is present, and
-register the hypothesis profiles.
+"""Run the Triton kernels through Triton's interpreter when no CUDA device is present, load the
+native CPU kernels' test build, and register the hypothesis profiles.
 
 The flag must be set before triton is first imported (transformers may import it), so it is
 set here, when pytest loads this file, before any test module is collected.
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # `from cases import ...` from an
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["OPENMLA_CPU_TEST_HOOKS"] = "1"  # the native kernels' test build (NaN scratch, own-AMX switch), never the users' one
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile("ci", derandomize=True, database=None, max_examples=10, deadline=None, print_blob=True,

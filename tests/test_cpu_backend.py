@@ -21,7 +21,7 @@ from openmla import reference as ref
 from openmla.backends import load_backend, resolve_backend_name
 
 from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
-from cpu_backends import use_backend
+from cpu_backends import hooks, use_backend
 
 DEEPSEEK = dict(L=512, R=64, Dn=128, Dv=128)
 CPU = torch.device("cpu")
@@ -173,24 +173,23 @@ TILED = dict(L=64, R=32)  # entry width 96: whole tiles
 
 @pytest.fixture
 def own_amx():
-    from openmla.backends.cpu import kernels
-
-    if not kernels.set_own_amx(True):
+    ops = hooks()
+    if not ops.set_own_amx(True):
         pytest.skip("no AMX here (or the compiler does not target it)")
-    yield kernels
-    kernels.set_own_amx(True)
+    yield ops
+    ops.set_own_amx(True)
 
 
-def check_own_and_brgemm(kernels, case: Case, q_abs: torch.Tensor, **kw):
+def check_own_and_brgemm(ops, case: Case, q_abs: torch.Tensor, **kw):
     """Decode on the micro-kernel (which must run) and on brgemm, each against the reference."""
-    before = kernels.own_amx_units()
+    before = ops.own_amx_units()
     own, own_lse = check_decode(case, q_abs, **kw)
-    assert kernels.own_amx_units() > before, "the own AMX kernel did not run"
-    kernels.set_own_amx(False)
+    assert ops.own_amx_units() > before, "the own AMX kernel did not run"
+    ops.set_own_amx(False)
     try:
         plain, plain_lse = check_decode(case, q_abs, **kw)
     finally:
-        kernels.set_own_amx(True)
+        ops.set_own_amx(True)
     assert_close(own, plain, 1e-2, "own AMX vs brgemm", case.seed)
 
 

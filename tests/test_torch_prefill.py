@@ -12,7 +12,6 @@ import importlib
 import math
 import random
 import sys
-import threading
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from openmla import reference as ref
 from openmla.masks import MaskKind
 
 from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
-from cpu_backends import CPU_BACKENDS, use_backend
+from cpu_backends import CPU_BACKENDS, poison_workspace, use_backend
 
 # The package re-exports the function ``prefill``; the module holds the tunables and helpers.
 tpre = importlib.import_module("openmla.backends.torch_cpu.prefill")
@@ -46,7 +45,7 @@ def backend(request, monkeypatch):
 def poison_buffers(monkeypatch):
     """Packed query/key/value blocks, scratch buffers and outputs start as NaN."""
     monkeypatch.setattr(tpre, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
-    monkeypatch.setattr(tpre, "_scratch", threading.local())  # no scratch buffer left from another test
+    poison_workspace(monkeypatch)  # no scratch buffer left from another test; new ones start as NaN
 
 
 # Helpers ------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ set flags and a hash of the sources: a machine (or torch) change gets its own bu
 one loads in milliseconds. The code is compiled for the build machine (``-march=native``);
 oneDNN's brgemm picks AMX or AVX-512 at run time.
 
+Tests set ``OPENMLA_CPU_TEST_HOOKS=1`` (tests/conftest.py): that process builds and loads a
+variant with test hooks (NaN-filled scratch, a switch for the own AMX kernel, a count of its
+units) under its own key; the library users load has none of them.
+
 Where no compiler is found or the build fails, :func:`load` warns once and returns False, and
 the ``cpu`` backend reports itself unavailable (callers fall back to the ``torch`` backend).
 """
@@ -28,6 +32,11 @@ OP_NAMESPACE = "openmla_cpu"
 _state: dict = {}  # "loaded": bool, "error": str
 
 
+def test_hooks() -> bool:
+    """Whether this process builds the test variant (``OPENMLA_CPU_TEST_HOOKS=1``)."""
+    return os.environ.get("OPENMLA_CPU_TEST_HOOKS") == "1"
+
+
 def cpu_flags() -> list[str]:
     """The CPU's instruction-set flags (``/proc/cpuinfo``), or the machine name elsewhere."""
     try:
@@ -45,6 +54,8 @@ def compile_flags(flags: list[str]) -> list[str]:
     256-bit implementation from ``CPU_CAPABILITY_*``)."""
     have = set(flags)
     out = ["-O3", "-fopenmp", "-march=native", "-DNDEBUG"]
+    if test_hooks():
+        out.append("-DOPENMLA_TEST_HOOKS")
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= have:
         out.append("-DCPU_CAPABILITY_AVX512")
     elif {"avx2", "fma"} <= have:
@@ -57,6 +68,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     h.update(torch.__version__.encode())
     h.update(" ".join(cpu_flags()).encode())
+    h.update(b"test-hooks" if test_hooks() else b"")
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode())

@@ -11,17 +11,16 @@ taken (:func:`compute_dtype` returns None; the adapter falls back to the torch b
 
 from __future__ import annotations
 
-import math
-import threading
 from dataclasses import dataclass
 
 import torch
 
+from ... import workspace
 from ...masks import MaskKind, MaskVariant
 from . import build
 
 __all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
-           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "set_own_amx", "own_amx_runs", "own_amx_units"]
+           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "own_amx_runs"]
 
 MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
               MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
@@ -30,25 +29,9 @@ FORMAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, "fp8_e4m3
 _bf16_gemm: list[bool] = []
 
 
-def poison_scratch() -> None:
-    """Test hook: fill every thread's scratch memory with NaN bytes."""
-    build.ops().poison_scratch()
-
-
-def set_own_amx(on: bool) -> bool:
-    """Let bf16 decode use the library's own AMX micro-kernel (on by default) or ATen's brgemm
-    only; returns whether the own kernel runs now (False where the CPU or build has no AMX)."""
-    return bool(build.ops().set_own_amx(bool(on)))
-
-
 def own_amx_runs() -> bool:
     """Whether bf16 decode runs on the own AMX micro-kernel now (CPU, build and switch)."""
     return bool(build.ops().own_amx_runs())
-
-
-def own_amx_units() -> int:
-    """Decode units the own AMX micro-kernel has run in this process."""
-    return int(build.ops().own_amx_units())
 
 
 def available() -> bool:
@@ -96,24 +79,6 @@ class PagedLayer:
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Every output the kernels fill completely comes from here (tests swap in a NaN fill)."""
     return torch.empty(shape, dtype=dtype)
-
-
-_scratch = threading.local()
-SCRATCH_CAP_BYTES = 256 << 20  # larger buffers are not kept between calls
-
-
-def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread buffer reused across calls (contents undefined): fresh multi-MB tensors cost a
-    page fault per 4 KiB on every call. A result must not outlive the call that asked for it."""
-    numel = math.prod(shape)
-    bufs = _scratch.__dict__.setdefault("bufs", {})
-    name = (name, torch.is_inference_mode_enabled())  # inference tensors cannot be written outside it
-    buf = bufs.get((name, dtype))
-    if buf is None or buf.numel() < numel:
-        buf = _alloc((numel,), dtype)
-        if numel * buf.element_size() <= SCRATCH_CAP_BYTES:
-            bufs[(name, dtype)] = buf
-    return buf[:numel].view(shape)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -200,7 +165,7 @@ def gather(cache: PagedLayer, spans: list[tuple[int, int, int]], *, kv_lora_rank
     end to end: ``[sum(count), cols[1]-cols[0]]`` in ``dtype``, dequantised (a reused buffer: valid
     until the next call)."""
     idx = torch.tensor(spans, dtype=torch.int64).reshape(-1, 3).t().contiguous()
-    out = _buffer("gather", (int(idx[2].sum()), cols[1] - cols[0]), dtype)
+    out = workspace.scratch("cpu.gather", (int(idx[2].sum()), cols[1] - cols[0]), dtype)
     build.ops().gather(cache.pages, _int32(cache.block_table), idx[0], idx[1], idx[2], cache.fmt, float(cache.kv_scale),
                        kv_lora_rank, rope_dim, cols[0], cols[1], out)
     return out
@@ -288,8 +253,8 @@ def prefill(
         entries = gather(cache, spans, kv_lora_rank=L, rope_dim=R, cols=(0, L + R), dtype=dtype)
         latent = entries[:, :L]
         S = latent.shape[0]
-        k = torch.mm(latent, w_k.t(), out=_buffer("k", (S, w_k.shape[0]), dtype))
-        v = torch.mm(latent, w_v.t(), out=_buffer("v", (S, w_v.shape[0]), dtype))
+        k = torch.mm(latent, w_k.t(), out=workspace.scratch("cpu.k", (S, w_k.shape[0]), dtype))
+        v = torch.mm(latent, w_v.t(), out=workspace.scratch("cpu.v", (S, w_v.shape[0]), dtype))
         out, lse = prefill_chunk(q, k, v, entries[:, L:], offsets=offs_t, cache_lengths=lens_t, spans=table, scale=scale,
                                  mask=mask, attn_sink=attn_sink, state=state, first=i == 0, last=i == max(len(work), 1) - 1)
     return out, lse

@@ -18,12 +18,12 @@ output and the merges are float32.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ... import workspace
 from ...cache import CacheBatch
 from ...masks import MaskVariant
 
@@ -45,7 +45,6 @@ SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path
 ESTIMATE_ROWS = 64  # keys sampled for a block's softmax offset
 WIDE_P_ROWS = 64  # from this many query rows on, probabilities are exponentiated in float32
 QUERY_MAJOR_ROWS = 64  # from this many query rows on, unmasked dense scores are query-major
-WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -54,44 +53,8 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, scr
     """Buffers whose every row a call writes (tests swap this for a NaN fill): a fresh tensor,
     or (``scratch``) a per-thread scratch one for state that never leaves the call."""
     if scratch is not None:
-        return _workspace(scratch, shape, dtype, device)
+        return workspace.scratch(f"torch.{scratch}", shape, dtype, device)
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-# Scratch memory -----------------------------------------------------------------------
-_scratch = threading.local()
-
-
-def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reused per-thread scratch tensor (contents undefined); views of one ``name`` share bytes.
-
-    Fresh multi-MB tensors cost page faults on every block (a page gather into a new tensor ran
-    at a third of the speed of one into a reused buffer), and cached views save the view ops.
-    A result must never outlive the block step that asked for it.
-    """
-    views = getattr(_scratch, "views", None)
-    if views is None:
-        views, _scratch.views, _scratch.bufs = {}, {}, {}
-    # Buffers made under inference_mode cannot be written outside it: one set per mode.
-    name = (name, torch.is_inference_mode_enabled())
-    key = (name, shape, dtype, device)
-    view = views.get(key)
-    if view is not None:
-        return view
-    nbytes = math.prod(shape) * dtype.itemsize
-    buf = _scratch.bufs.get((name, device))
-    if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        if nbytes > WORKSPACE_CAP_BYTES:
-            return buf[:nbytes].view(dtype).view(shape)
-        _scratch.bufs[(name, device)] = buf
-        for k in [k for k in views if k[0] == name and k[3] == device]:
-            del views[k]  # they point at the old buffer
-    view = buf[:nbytes].view(dtype).view(shape)
-    if len(views) > 256:  # ragged batches make many shapes; keep the table small
-        views.clear()
-    views[key] = view
-    return view
 
 
 # Online softmax over key blocks -----------------------------------------------------------
@@ -168,14 +131,14 @@ def _exponentiate(
     shape = (*s_t.shape[:-2], s_t.shape[-1], s_t.shape[-2])
     direct = s_t.dtype == stat or s_t.shape[-1] < WIDE_P_ROWS
     p = torch.add(nm.unsqueeze(-1), s_t.transpose(-1, -2), alpha=a,
-                  out=_workspace("probs", shape, s_t.dtype if direct else stat, s_t.device))
+                  out=workspace.scratch("torch.probs", shape, s_t.dtype if direct else stat, s_t.device))
     if keep is not None and a == 0.0:  # 0 * -inf: keep masked keys out explicitly
         p.view(*shape[:-2], -1, heads, shape[-1]).masked_fill_(~keep.unsqueeze(-2), -math.inf)
     p.exp2_()
     if direct:
         return p, torch.sum(p, -1, dtype=stat, out=den_out)
     den = torch.sum(p, -1, out=den_out)
-    return _workspace("probs_mm", shape, s_t.dtype, s_t.device).copy_(p), den
+    return workspace.scratch("torch.probs_mm", shape, s_t.dtype, s_t.device).copy_(p), den
 
 
 def _block_step(
@@ -193,11 +156,11 @@ def _block_step(
     if keep is None and k.dim() == 2 and M >= QUERY_MAJOR_ROWS:
         # Many rows: query-major scores. The GEMM is ~5% slower than keys-major, but the
         # exponent pass then reads contiguously and the exact row max is cheap (net ~3%).
-        s = torch.mm(q_t.t(), k.t(), out=_workspace("scores_qm", (M, k.shape[0]), q_t.dtype, q_t.device))
+        s = torch.mm(q_t.t(), k.t(), out=workspace.scratch("torch.scores_qm", (M, k.shape[0]), q_t.dtype, q_t.device))
         s_t, exact = s.t(), True
     else:
         # Keys-major scores [..., n, M]: at M = 16 this GEMM runs ~1.6x faster than q @ k^T.
-        out = _workspace("scores", (*k.shape[:-1], M), q_t.dtype, q_t.device)
+        out = workspace.scratch("torch.scores", (*k.shape[:-1], M), q_t.dtype, q_t.device)
         s_t = torch.mm(k, q_t, out=out) if k.dim() == 2 else torch.bmm(k, q_t, out=out)
     if keep is not None:
         s_t.view(*s_t.shape[:-1], -1, heads).masked_fill_(~keep.transpose(-1, -2).unsqueeze(-1), -math.inf)
@@ -339,9 +302,9 @@ class _PagedKeys:
         ps = self.ps
         j0, j1 = k0 // ps, (k1 - 1) // ps
         start, n_pages = k0 - j0 * ps, j1 + 1 - j0
-        raw = _workspace("keys", (n_pages, ps, self.raw_pages.shape[-1]), self.raw_pages.dtype, self.layer.device)
+        raw = workspace.scratch("torch.keys", (n_pages, ps, self.raw_pages.shape[-1]), self.raw_pages.dtype, self.layer.device)
         torch.index_select(self.raw_pages, 0, pages[j0 : j1 + 1], out=raw)
-        keys = _workspace("keys", (n_pages * ps, self.D), self.layer.dtype, self.layer.device)
+        keys = workspace.scratch("torch.keys", (n_pages * ps, self.D), self.layer.dtype, self.layer.device)
         if start or k1 - k0 != n_pages * ps:
             keys = keys[start : start + (k1 - k0)]
         return self._as_compute(keys)
@@ -352,9 +315,9 @@ class _PagedKeys:
         if self.raw_rows is None:
             return self._as_compute(self.layer[flat_idx // self.ps, flat_idx % self.ps].view(*rows.shape, self.D))
         n = flat_idx.shape[0]
-        raw = _workspace("keys", (n, self.raw_rows.shape[-1]), self.raw_rows.dtype, self.layer.device)
+        raw = workspace.scratch("torch.keys", (n, self.raw_rows.shape[-1]), self.raw_rows.dtype, self.layer.device)
         torch.index_select(self.raw_rows, 0, flat_idx, out=raw)
-        return self._as_compute(_workspace("keys", (*rows.shape, self.D), self.layer.dtype, self.layer.device))
+        return self._as_compute(workspace.scratch("torch.keys", (*rows.shape, self.D), self.layer.dtype, self.layer.device))
 
 
 class _DequantKeys(_PagedKeys):

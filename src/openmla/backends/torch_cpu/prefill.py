@@ -23,13 +23,12 @@ packed layout, and continues the same running state chunk after chunk, so memory
 from __future__ import annotations
 
 import bisect
-import math
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ... import workspace
 from ...cache import CacheBatch
 from ...chunks import default_buffer_size
 from ...combine import apply_sink
@@ -67,27 +66,6 @@ SPLIT_MIN_ROWS = 64
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer this module fills completely comes from here (tests poison it with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-WORKSPACE_CAP_BYTES = 64 << 20  # larger scratch buffers are not kept between calls
-_scratch = threading.local()
-
-
-def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-thread scratch tensor reused across calls (contents undefined; tests poison it).
-
-    A fresh multi-MB tensor costs a page fault per 4 KiB on first touch, on every call."""
-    numel = math.prod(shape)
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        bufs = _scratch.bufs = {}
-    key = (name, dtype, device, torch.is_inference_mode_enabled())  # inference tensors cannot be written outside it
-    buf = bufs.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _alloc((numel,), dtype, device)
-        if numel * buf.element_size() <= WORKSPACE_CAP_BYTES:
-            bufs[key] = buf
-    return buf[:numel].view(shape)
 
 
 # Planning ----------------------------------------------------------------------------
@@ -224,7 +202,7 @@ class State:
     """
 
     def __init__(self, num_heads: int, num_rows: int, v_depth: int, device: torch.device, dtype: torch.dtype = F32) -> None:
-        self.acc = _workspace("acc", (num_heads, num_rows, v_depth), dtype, device)
+        self.acc = workspace.scratch("torch.acc", (num_heads, num_rows, v_depth), dtype, device)
         self.ref = torch.full((num_heads, num_rows), NEG_INF, dtype=dtype, device=device)
         self.wsum = torch.zeros(num_heads, num_rows, dtype=dtype, device=device)
         self.started = bytearray(num_rows)  # 1 where acc holds a block's result

@@ -5,7 +5,7 @@
 //
 // Compiled only where the build machine's compiler targets AMX (-march=native); used only where
 // the CPU has AMX-BF16 and AMX-TILE, Linux grants the tile state, oneDNN is not capped below
-// AMX (ONEDNN_MAX_CPU_ISA), and set_own_amx has not turned it off.
+// AMX (ONEDNN_MAX_CPU_ISA), and (test builds only) set_own_amx has not turned it off.
 #pragma once
 
 #include "common.h"
@@ -21,10 +21,18 @@
 
 namespace openmla {
 
+#if defined(OPENMLA_TEST_HOOKS)
+// Test builds: a switch to compare against brgemm, and a count of the units the kernel ran.
 inline std::atomic<bool>& own_amx_switch() {
   static std::atomic<bool> on{true};
   return on;
 }
+
+inline std::atomic<int64_t>& own_amx_units() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+#endif
 
 // Whether this process can run the micro-kernel (checked once).
 inline bool own_amx_supported() {
@@ -47,13 +55,12 @@ inline bool own_amx_supported() {
 #endif
 }
 
-// Decode units the micro-kernel has run in this process (tests check that it ran).
-inline std::atomic<int64_t>& own_amx_units() {
-  static std::atomic<int64_t> n{0};
-  return n;
+inline bool own_amx_enabled() {
+#if defined(OPENMLA_TEST_HOOKS)
+  if (!own_amx_switch().load(std::memory_order_relaxed)) return false;
+#endif
+  return own_amx_supported();
 }
-
-inline bool own_amx_enabled() { return own_amx_supported() && own_amx_switch().load(std::memory_order_relaxed); }
 
 #if defined(OPENMLA_OWN_AMX)
 

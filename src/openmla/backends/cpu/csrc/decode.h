@@ -219,7 +219,9 @@ struct DecodeKernel {
 #if defined(OPENMLA_OWN_AMX)
     if (w.own) {
       amx_configure();
+#if defined(OPENMLA_TEST_HOOKS)
       own_amx_units().fetch_add(1, std::memory_order_relaxed);
+#endif
     }
 #endif
     w.QT = scratch<T>(S_QT, D * M);

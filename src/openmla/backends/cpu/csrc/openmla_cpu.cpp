@@ -274,8 +274,10 @@ void heads_gemm_op(const at::Tensor& x, const at::Tensor& packed, int64_t m, int
   else run_heads_gemm<float>(a);
 }
 
-// Test hook: fill every thread's scratch memory with NaN bytes, so a kernel that reads scratch
-// it did not write shows it.
+#if defined(OPENMLA_TEST_HOOKS)
+// Test builds only (OPENMLA_CPU_TEST_HOOKS=1, see build.py) ---------------------------------
+// Fill every thread's scratch memory with NaN bytes, so a kernel that reads scratch it did not
+// write shows it.
 void poison_scratch() {
   at::parallel_for(0, at::get_num_threads(), 1, [](int64_t, int64_t) {
     ThreadScratch& s = thread_scratch();
@@ -283,6 +285,15 @@ void poison_scratch() {
       if (s.ptr[i]) std::memset(s.ptr[i], 0xff, s.cap[i]);
   });
 }
+
+// Turn the own AMX micro-kernel on or off (to compare it with brgemm); returns whether it runs now.
+bool set_own_amx(bool on) {
+  own_amx_switch().store(on);
+  return own_amx_enabled();
+}
+
+int64_t own_amx_unit_count() { return own_amx_units().load(); }
+#endif
 
 // Whether brgemm runs bfloat16 with VNNI-packed B on this CPU (oneDNN needs AVX-512).
 bool bf16_gemm_supported() {
@@ -297,16 +308,8 @@ bool bf16_gemm_supported() {
   }
 }
 
-// Turn the own AMX micro-kernel on or off (for comparisons; on by default); returns whether
-// it runs now (False where the CPU or the build cannot).
+// Whether bf16 decode runs on the own AMX micro-kernel here (False where the CPU or the build cannot).
 bool own_amx_runs() { return own_amx_enabled(); }
-
-bool set_own_amx(bool on) {
-  own_amx_switch().store(on);
-  return own_amx_enabled();
-}
-
-int64_t own_amx_unit_count() { return own_amx_units().load(); }
 
 }  // namespace
 }  // namespace openmla
@@ -334,8 +337,10 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def("pack_heads(Tensor w, Tensor(a!) packed) -> ()", &openmla::pack_heads_op);
   m.def("heads_gemm(Tensor x, Tensor packed, int m, int k, Tensor(a!) out) -> ()", &openmla::heads_gemm_op);
   m.def("bf16_gemm_supported() -> bool", &openmla::bf16_gemm_supported);
+  m.def("own_amx_runs() -> bool", &openmla::own_amx_runs);
+#if defined(OPENMLA_TEST_HOOKS)
   m.def("poison_scratch() -> ()", &openmla::poison_scratch);
   m.def("set_own_amx(bool on) -> bool", &openmla::set_own_amx);
-  m.def("own_amx_runs() -> bool", &openmla::own_amx_runs);
   m.def("own_amx_units() -> int", &openmla::own_amx_unit_count);
+#endif
 }
