@@ -10,8 +10,8 @@ Two ways to run the same step:
 - ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (what a model built on the
   seed-named ops does: the first call validates and plans, the next ones find the plan kept on
   the batch and compare its metadata by value);
-- ``plan``: ``openmla.plan(batch, ...)`` once, then ``plan.run(...)`` per layer (skipped when the
-  installed openmla has no ``plan``; the script runs against older checkouts too);
+- ``plan``: ``openmla.plan(batch, ...)`` once, then ``plan.run(q, kv, layer, weights, freqs_cis)``
+  per layer (the layer's ``LayerWeights`` made once, as a model does);
 - ``plan+combine``: the same with ``openmla.combine``'s absorb/unabsorb (one ``torch.bmm`` each)
   instead of the backend's own (only where the backend has them: the native ``cpu`` one).
 
@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import openmla  # noqa: E402
-from openmla import PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
+from openmla import LayerWeights, PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
+from openmla.backends import Backend  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "host.json"
 CACHED = 16
@@ -57,6 +58,7 @@ def setup(layers: int, B: int, seed: int = 0):
     w_k = bf(H * Dn, L) * L**-0.5
     weights = dict(w_k=w_k, w_uk=w_k.view(H, Dn, L).transpose(1, 2).contiguous(), w_uv=bf(H, Dv, L) * L**-0.5)
     inputs = dict(q=bf(B, H, Dn + R), kv=bf(B, L + R), freqs_cis=rope_freqs_cis(cfg, 4096), gamma=torch.ones(L).bfloat16())
+    weights["layer"] = LayerWeights(inputs["gamma"], weights["w_k"], weights["w_uk"], weights["w_uv"])
     return cfg, cache, batch, weights, inputs
 
 
@@ -71,25 +73,26 @@ def step_plan(cfg, batch, w, x, layers: int, combine: bool = False) -> None:
     if combine:
         plan = without_backend_absorb(plan)
     for layer in range(layers):
-        plan.run(x["q"], x["kv"], x["freqs_cis"], x["gamma"], layer, w["w_k"], w["w_uk"], w["w_uv"])
+        plan.run(x["q"], x["kv"], layer, w["layer"], x["freqs_cis"])
 
 
 def without_backend_absorb(plan):
     """``plan`` with a backend that lacks its own ``absorb``/``unabsorb`` (the plan then runs
     ``openmla.combine``'s, one ``torch.bmm`` each); unchanged on the null backend."""
     be = plan.backend
-    if isinstance(be, NullBackend) or not hasattr(be, "absorb"):
+    if isinstance(be, NullBackend) or type(be).absorb is Backend.absorb:
         return plan
     out = copy.copy(plan)
-    out.backend = types.SimpleNamespace(**{k: getattr(be, k) for k in dir(be) if not k.startswith("_") and k not in ("absorb", "unabsorb")})
+    out.backend = copy.copy(be)
+    out.backend.absorb = types.MethodType(Backend.absorb, out.backend)
+    out.backend.unabsorb = types.MethodType(Backend.unabsorb, out.backend)
     return out
 
 
-class NullBackend:
+class NullBackend(Backend):
     """Kernels that do no work: what is left of a step's time is the host path."""
 
     name = "torch"
-    cache_formats = ("native", "fp8_e4m3", "fp8_ds_mla")
 
     @staticmethod
     def _q(*args):
@@ -116,7 +119,7 @@ def null_backend(enabled: bool) -> None:
     real = getattr(backends, "_real_load", backends.load_backend)
     backends._real_load = real
     null = NullBackend()  # one instance: the seed-named ops keep their plan per backend
-    backends.load_backend = (lambda name: null) if enabled else real
+    backends.load_backend = (lambda name: null) if enabled else real  # choose_backend looks it up here
     for mod in ("openmla.ops", "openmla.planning", "openmla.kept_plans"):  # modules that imported the name
         if mod in sys.modules and hasattr(sys.modules[mod], "load_backend"):
             sys.modules[mod].load_backend = backends.load_backend
@@ -143,13 +146,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: host work is single-threaded anyway)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = {"per-op": step_per_op}
-    if hasattr(openmla, "plan"):
-        ways["plan"] = step_plan
-        from openmla.backends import load_backend, resolve_backend_name
+    ways = {"per-op": step_per_op, "plan": step_plan}
+    from openmla.backends import load_backend, resolve_backend_name
 
-        if hasattr(load_backend(resolve_backend_name(None, torch.device("cpu"))), "absorb"):
-            ways["plan+combine"] = lambda *a: step_plan(*a, combine=True)
+    if type(load_backend(resolve_backend_name(None, torch.device("cpu")))).absorb is not Backend.absorb:
+        ways["plan+combine"] = lambda *a: step_plan(*a, combine=True)
     rows = []
     print(f"load average {os.getloadavg()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{args.threads} thread(s), {args.layers} layers, H=16, {CACHED} cached tokens per sequence")

@@ -1,0 +1,88 @@
+"""The dispatch seam: a backend is one class plus one registry line; the plan picks it (or its
+fallback) once and records what runs; every route (fused op, pieces, seed ops) reaches it.
+
+The class is ``tests/einsum_backend.py``, the walkthrough of docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openmla
+from openmla import backends
+
+from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
+
+REGISTRY_LINE = "einsum_backend:EinsumBackend"  # tests/ is on sys.path (conftest.py)
+
+
+@pytest.fixture
+def einsum(monkeypatch):
+    monkeypatch.setitem(backends.REGISTRY, "einsum", REGISTRY_LINE)
+    return "einsum"
+
+
+def run_both(case, backend, **opts):
+    a, b = case.clone_cache(), case.clone_cache()
+    plan = openmla.plan(a.batch, scale=case.scale, backend=backend, **opts)
+    got = plan.run(*a.run_args(), return_lse=True)
+    want = openmla.plan(b.batch, scale=case.scale, backend="reference", **opts).run(*b.run_args(), return_lse=True)
+    return plan, got, want, (a, b)
+
+
+@pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
+@pytest.mark.parametrize("new", [[1, 2, 0, 1], [9, 1, 0, 12]], ids=["decode", "prefill"])
+def test_a_new_backend_is_one_class_and_one_line(einsum, mask, extra, new):
+    case = make_case([5, 0, 3, 17], new, config=small_config(num_heads=3), page_size=4)
+    sink = torch.linspace(-1, 1, 3)
+    plan, (out, lse), (w_out, w_lse), (a, b) = run_both(case, einsum, mask=mask, attn_sink=sink, **extra)
+    assert plan.backend_name == "einsum" and plan.fallback_reason is None
+    assert_close(out, w_out, TOL[torch.float32], "einsum vs reference", case.seed)
+    assert_lse(lse, w_lse, TOL[torch.float32], case.seed)
+    torch.testing.assert_close(a.batch.blocks, b.batch.blocks, rtol=1e-5, atol=1e-5)  # the cache write
+
+
+def test_a_declined_step_runs_the_fallback_and_says_why(einsum):
+    case = make_case([20, 3], [1, 2], page_size=8, cache_dtype="fp8_e4m3")
+    plan = openmla.plan(case.batch, scale=case.scale, backend=einsum)
+    assert plan.backend_name == "torch" and "fp8_e4m3" in plan.fallback_reason and plan.fallback_reason.startswith("einsum")
+    sparse = make_case([20, 3], [1, 2], page_size=8)
+    idx = torch.zeros(3, 4, dtype=torch.int32)
+    plan = openmla.plan(sparse.batch, scale=sparse.scale, backend=einsum, sparse_indices=idx, physical_indices=False)
+    assert plan.backend_name == "torch" and "sparse" in plan.fallback_reason
+
+
+def test_no_fallback_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(backends.REGISTRY, "strict", "einsum_backend:EinsumBackend")
+    from einsum_backend import EinsumBackend
+
+    monkeypatch.setattr(EinsumBackend, "fallback", None)
+    case = make_case([4], [1], page_size=4, cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="^backend: the strict backend cannot run this step: it cannot read a fp8_e4m3 cache"):
+        openmla.plan(case.batch, scale=case.scale, backend="strict")
+
+
+def test_seed_ops_and_pieces_reach_the_same_backend(einsum):
+    case = make_case([6, 2], [1, 1], page_size=4)
+    want = openmla.mla_prefill_decode_graph(*case.clone_cache().fused_args(), scale=case.scale, backend="reference")
+    got = openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, backend=einsum)
+    assert_close(got, want, TOL[torch.float32], "seed op on einsum", case.seed)
+    step = openmla.plan(case.batch, scale=case.scale, backend=einsum)
+    calls = []
+    be = step.backend
+    real = type(be).decode
+    be.decode = lambda *a: calls.append("decode") or real(be, *a)
+    try:
+        step.decode(torch.randn(2, 4, case.batch.head_dim), 0, kv_lora_rank=case.config.kv_lora_rank)
+    finally:
+        del be.decode
+    assert calls == ["decode"]
+
+
+def test_unknown_and_unavailable_backends_are_value_errors(monkeypatch):
+    with pytest.raises(ValueError, match="^backend: unknown backend 'nope'"):
+        backends.resolve_backend_name("nope", torch.device("cpu"))
+    monkeypatch.setitem(backends.REGISTRY, "missing", "no_such_module_here:X")
+    with pytest.raises(ValueError, match="^backend: the missing backend is unavailable here"):
+        backends.load_backend("missing")
