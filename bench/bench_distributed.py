@@ -10,7 +10,7 @@ page 64, interleave 64. Workload per grid:
 - cache: ``batch`` sequences of ``context`` tokens, reserved and committed without running the
   layer (entries are zeros: the timing does not depend on them);
 - prefill: 2 new sequences of 512 tokens (under cp > 1 this runs the absorbed form with per-token
-  key gathers, see the README);
+  key gathers, see docs/distributed.md);
 - decode: one new token for each of the ``batch`` sequences, once to warm up, then ``reps``
   times (median).
 

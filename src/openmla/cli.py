@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import hardware
+from .backends import BACKENDS
 from .cli_options import AUTO_DTYPE_HELP, CACHE_DTYPES, DTYPES, cache_dtype, console, dtype_name, model_dtype
 from .config import PRESETS, preset
 
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-pages", type=int, default=None, help="page pool size (default: a tight pool)")
     d.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)], help=AUTO_DTYPE_HELP)
     d.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
-    d.add_argument("--backend", default=None, choices=["cpu", "torch", "triton", "reference"])
+    d.add_argument("--backend", default=None, choices=list(BACKENDS))
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads split); run under torchrun")
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--page-size", type=int, default=64)
     b.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)], help=AUTO_DTYPE_HELP)
     b.add_argument("--cache-dtype", default="same", choices=CACHE_DTYPES, help="latent cache format (default: --dtype)")
-    b.add_argument("--backend", default=None, choices=["cpu", "torch", "triton", "reference"])
+    b.add_argument("--backend", default=None, choices=list(BACKENDS))
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-baselines", action="store_true")
     b.add_argument("--out", default="bench/out", help="folder for bench.json and bench.png")

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from ..backends import BACKENDS
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -32,7 +34,7 @@ def add_generate_parser(sub: argparse._SubParsersAction, dtypes: dict, cache_dty
     g.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every prompt at full length at once)")
     g.add_argument("--max-batch-tokens", type=int, default=2048, help="new tokens per step (prefill chunks + decodes)")
     g.add_argument("--max-running", type=int, default=64, help="sequences decoding at once")
-    g.add_argument("--backend", default=None, choices=["torch", "triton", "reference"])
+    g.add_argument("--backend", default=None, choices=list(BACKENDS))
     g.set_defaults(func=cmd_generate)
 
 
