@@ -109,7 +109,7 @@ class NullBackend(Backend):
 
     def decode(self, *args, **kw):
         q = self._q(*args)
-        return q.new_empty(q.shape[0], q.shape[1], 512), q.new_empty(q.shape[0], q.shape[1])
+        return q.new_empty(q.shape[0], q.shape[1], 512), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)  # LSE: float32
 
 
 def null_backend(enabled: bool) -> None:

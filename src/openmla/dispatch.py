@@ -53,6 +53,11 @@ class PlanHandle(OpaqueBase):
 register_opaque_type(PlanHandle, typ="reference")
 
 
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``, contiguous (itself when it already is: no dispatcher call on the hot path)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _over(plan, blocks: Tensor):
     """The plan over ``blocks``: itself, or a view when the graph hands the op another tensor (a
     functionalised copy of the cache, say), which is the one the op must read and write."""
@@ -65,7 +70,7 @@ def _write(plan, layer_idx: int, q: Tensor, kv: Tensor, freqs_cis: Tensor, gamma
     if plan.max_position > freqs_cis.shape[0]:
         raise ValueError(f"freqs_cis: has {freqs_cis.shape[0]} positions, the batch reaches position {plan.max_position - 1}")
     out = plan.backend.write_cache(plan, layer_idx, q, kv, freqs_cis, gamma, epsilon, interleaved)
-    return out.to(plan.backend.result_dtypes(q.dtype)[0]).contiguous()
+    return _as(out, plan.backend.result_dtypes(q.dtype)[0])
 
 
 @torch.library.custom_op("openmla::write_cache", mutates_args=("blocks",))
@@ -109,7 +114,7 @@ def _attention(plan, form: str, layer_idx: int, q: Tensor, kv_lora_rank: int, w_
     else:
         out, lse = backend.prefill(plan, layer_idx, q, w_k, w_uv, spec)
     out_dtype, lse_dtype = backend.result_dtypes(q.dtype)
-    return out.to(out_dtype).contiguous(), lse.to(lse_dtype).contiguous()
+    return _as(out, out_dtype), _as(lse, lse_dtype)
 
 
 @torch.library.custom_op("openmla::attention", mutates_args=())

@@ -94,6 +94,7 @@ class MLAPlan(Step):
         self.decode_max_q_len = decode_max_q_len
         self.form: Literal["decode", "prefill"] = "decode" if batch.max_new_tokens <= decode_max_q_len else "prefill"
         self.device = batch.blocks.device
+        self.head_dim = batch.head_dim  # L+R of the cache's entries
         self.num_tokens = batch.offsets_list[-1]
         self.num_layers = batch.num_layers
         self.token_seq, self.token_pos = batch.token_positions()
@@ -227,14 +228,18 @@ class MLAPlan(Step):
         if weights.device != self.device:
             raise ValueError(f"weights: on {weights.device}, the cache is on {self.device}")
         H, L, Dn = weights.num_heads, weights.kv_lora_rank, weights.qk_nope_head_dim
-        R = self.batch.head_dim - L
+        R = self.head_dim - L
         if R < 2 or R % 2:
-            raise ValueError(f"weights: latent width {L} leaves {R} rope dims of the cache's {self.batch.head_dim}-wide entries "
+            raise ValueError(f"weights: latent width {L} leaves {R} rope dims of the cache's {self.head_dim}-wide entries "
                              "(need an even R >= 2)")
         if q.shape[1:] != (H, Dn + R):
             raise ValueError(f"q: expected shape ({self.num_tokens}, {H}, {Dn + R}) for these weights, got {tuple(q.shape)}")
-        check_tensor("kv", kv, shape=(self.num_tokens, L + R), dtypes=FLOAT_DTYPES, device=self.device)
-        check_tensor("freqs_cis", freqs_cis, shape=(None, R), dtypes=(torch.float32, torch.float64), device=self.device)
+        if not (type(kv) is torch.Tensor and kv.shape == (self.num_tokens, L + R) and kv.dtype in FLOAT_DTYPES
+                and kv.device == self.device):
+            check_tensor("kv", kv, shape=(self.num_tokens, L + R), dtypes=FLOAT_DTYPES, device=self.device)
+        if not (type(freqs_cis) is torch.Tensor and freqs_cis.dim() == 2 and freqs_cis.shape[1] == R
+                and freqs_cis.dtype in (torch.float32, torch.float64) and freqs_cis.device == self.device):
+            check_tensor("freqs_cis", freqs_cis, shape=(None, R), dtypes=(torch.float32, torch.float64), device=self.device)
         return weights
 
     # The fused op -----------------------------------------------------------------------
@@ -357,7 +362,8 @@ def _check_return_lse(return_lse: object) -> None:
 
 def _finish(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, device: torch.device, return_lse: bool):
     """The one output rule of every public entry: out in the caller's dtype, LSE float32."""
-    out = out.to(device=device, dtype=dtype)
+    if out.dtype != dtype or out.device != device:
+        out = out.to(device=device, dtype=dtype)
     return (out, lse.to(device=device, dtype=torch.float32)) if return_lse else out
 
 

@@ -72,6 +72,9 @@ def check_query(q: object, q_scale: object, num_tokens: int, device: torch.devic
     """A query ``[T, H, depth]`` of a float dtype or float8_e4m3fn (with ``q_scale``: scalar, ``[1]``
     or per token, float32). Returns the query to compute with (an fp8 one dequantised to bfloat16)
     and the output dtype. Shapes only: no tensor value is read."""
+    if (q_scale is None and type(q) is torch.Tensor and q.dtype in FLOAT_DTYPES and q.dim() == 3 and q.shape[0] == num_tokens
+            and (depth is None or q.shape[2] == depth) and q.device == device):
+        return q, q.dtype  # the common case, checked in one expression (per layer, every step)
     check_tensor("q", q, shape=(num_tokens, None, depth), dtypes=FLOAT_DTYPES + (FP8,), device=device)
     if q.dtype != FP8:
         if q_scale is not None:

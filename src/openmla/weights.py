@@ -8,43 +8,35 @@ contiguous copies); a layer call is then ``plan.run(q, kv, layer_idx, weights, f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .validate import FLOAT_DTYPES, check_float, check_tensor
 
 
-@dataclass(frozen=True, eq=False)
 class LayerWeights:
     """``kv_norm_gamma [L]`` (``kv_a_layernorm.weight``), ``w_k [H*Dn, L]``, ``w_uk [H, L, Dn]``,
     ``w_uv [H, Dv, L]``, the latent norm's ``epsilon`` and the rope layout (``rope_interleaved``:
     DeepSeek's interleaved pairs, else half-split). Shapes, dtypes and devices are checked here,
-    once; a plan checks only that they match its step. Do not edit the tensors in place and
-    expect derived forms to follow: make a new ``LayerWeights`` (``LatentAttention`` does)."""
+    once; a plan checks only that they match its step. Read-only: to change a layer's weights make
+    a new ``LayerWeights`` (``LatentAttention`` does). Also ``num_heads``, ``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``v_head_dim`` and ``device``, read off the tensors."""
 
-    kv_norm_gamma: torch.Tensor
-    w_k: torch.Tensor
-    w_uk: torch.Tensor
-    w_uv: torch.Tensor
-    epsilon: float = 1e-6
-    rope_interleaved: bool = True
+    __slots__ = ("kv_norm_gamma", "w_k", "w_uk", "w_uv", "epsilon", "rope_interleaved",
+                 "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "device")
 
-    def __post_init__(self) -> None:
-        dev = check_tensor("weights.kv_norm_gamma", self.kv_norm_gamma, rank=1, dtypes=FLOAT_DTYPES).device
-        for name in ("w_uk", "w_uv", "w_k"):
-            check_tensor(f"weights.{name}", getattr(self, name), rank=2 if name == "w_k" else 3, dtypes=FLOAT_DTYPES, device=dev)
-        # Sizes two sources agree on, so that an error names the odd one out.
-        L = _agreed(self.kv_norm_gamma.shape[0], self.w_uk.shape[1], self.w_uv.shape[2], self.w_k.shape[1])
-        Dn = self.w_uk.shape[2]
-        H = _agreed(self.w_uk.shape[0], self.w_uv.shape[0], self.w_k.shape[0] // Dn if Dn and self.w_k.shape[0] % Dn == 0 else None)
-        check_tensor("weights.kv_norm_gamma", self.kv_norm_gamma, shape=(L,))
-        check_tensor("weights.w_uk", self.w_uk, shape=(H, L, None))
-        check_tensor("weights.w_uv", self.w_uv, shape=(H, None, L))
-        check_tensor("weights.w_k", self.w_k, shape=(H * Dn, L))
-        object.__setattr__(self, "epsilon", check_float("weights.epsilon", self.epsilon, lo=0.0))
-        if not isinstance(self.rope_interleaved, bool):
-            raise ValueError(f"weights.rope_interleaved: expected a bool, got {self.rope_interleaved!r}")
+    def __init__(self, kv_norm_gamma: torch.Tensor, w_k: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                 epsilon: float = 1e-6, rope_interleaved: bool = True) -> None:
+        sizes = _consistent(kv_norm_gamma, w_k, w_uk, w_uv)
+        if sizes is None:
+            _explain(kv_norm_gamma, w_k, w_uk, w_uv)  # raises ValueError naming the odd tensor
+        if not (type(epsilon) is float and epsilon >= 0.0 and epsilon == epsilon):
+            epsilon = check_float("weights.epsilon", epsilon, lo=0.0)
+        if not isinstance(rope_interleaved, bool):
+            raise ValueError(f"weights.rope_interleaved: expected a bool, got {rope_interleaved!r}")
+        self.kv_norm_gamma, self.w_k, self.w_uk, self.w_uv = kv_norm_gamma, w_k, w_uk, w_uv
+        self.epsilon, self.rope_interleaved = epsilon, rope_interleaved
+        self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim = sizes
+        self.device = kv_norm_gamma.device
 
     @classmethod
     def from_kv_b(cls, kv_b_weight: torch.Tensor, kv_norm_gamma: torch.Tensor, *, num_heads: int, qk_nope_head_dim: int,
@@ -64,29 +56,40 @@ class LayerWeights:
             return cls(kv_norm_gamma, w_uk_rows.to(**fresh).view(H * Dn, L), w_uk_rows.transpose(1, 2).to(**fresh),
                        w_uv.to(**fresh), epsilon, rope_interleaved)
 
-    @property
-    def num_heads(self) -> int:
-        return self.w_uk.shape[0]
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.w_uk.shape[1]
-
-    @property
-    def qk_nope_head_dim(self) -> int:
-        return self.w_uk.shape[2]
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.w_uv.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv_norm_gamma.device
-
     def __repr__(self) -> str:
         return (f"LayerWeights(heads={self.num_heads}, L={self.kv_lora_rank}, Dn={self.qk_nope_head_dim}, Dv={self.v_head_dim}, "
                 f"dtype={self.w_uk.dtype}, epsilon={self.epsilon}, rope_interleaved={self.rope_interleaved})")
+
+
+def _consistent(g: object, w_k: object, w_uk: object, w_uv: object) -> tuple[int, int, int, int] | None:
+    """``(H, L, Dn, Dv)`` when the four are float tensors of one device with matching shapes, else None
+    (one expression: a seed-named op makes a LayerWeights on every layer call)."""
+    T = torch.Tensor
+    if not (isinstance(g, T) and isinstance(w_k, T) and isinstance(w_uk, T) and isinstance(w_uv, T)
+            and g.dim() == 1 and w_k.dim() == 2 and w_uk.dim() == 3 and w_uv.dim() == 3):
+        return None
+    H, L, Dn = w_uk.shape
+    Dv = w_uv.shape[1]
+    dev = g.device
+    ok = (g.shape[0] == L and w_uv.shape[0] == H and w_uv.shape[2] == L and w_k.shape == (H * Dn, L)
+          and g.dtype in FLOAT_DTYPES and w_k.dtype in FLOAT_DTYPES and w_uk.dtype in FLOAT_DTYPES and w_uv.dtype in FLOAT_DTYPES
+          and w_k.device == dev and w_uk.device == dev and w_uv.device == dev)
+    return (H, L, Dn, Dv) if ok else None
+
+
+def _explain(g: object, w_k: object, w_uk: object, w_uv: object) -> None:
+    """The ``ValueError`` for weights ``_consistent`` rejected, naming the odd tensor out."""
+    for name, t, rank in (("kv_norm_gamma", g, 1), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3), ("w_k", w_k, 2)):
+        check_tensor(f"weights.{name}", t, rank=rank)
+    L = _agreed(g.shape[0], w_uk.shape[1], w_uv.shape[2], w_k.shape[1])  # sizes most sources agree on
+    Dn = w_uk.shape[2]
+    H = _agreed(w_uk.shape[0], w_uv.shape[0], w_k.shape[0] // Dn if Dn and w_k.shape[0] % Dn == 0 else None)
+    dev = g.device
+    check_tensor("weights.kv_norm_gamma", g, shape=(L,), dtypes=FLOAT_DTYPES)
+    check_tensor("weights.w_uk", w_uk, shape=(H, L, None), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("weights.w_uv", w_uv, shape=(H, None, L), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("weights.w_k", w_k, shape=(H * Dn, L), dtypes=FLOAT_DTYPES, device=dev)
+    raise AssertionError("weights: _consistent and _explain disagree")  # unreachable when both are right
 
 
 def _agreed(*sizes: int | None) -> int:
