@@ -23,19 +23,6 @@ def step_context(state: Attachment, batch: CacheBatch) -> MLAPlan:
     return plan(batch, scale=state.config.softmax_scale, backend=state.backend)
 
 
-def step_positions(batch: CacheBatch) -> torch.Tensor:
-    """int64 ``[T]``: the position of every new token of ``batch`` (its sequence's cached length onward)."""
-    counts = torch.tensor(batch.new_tokens_list, dtype=torch.long)
-    starts = torch.tensor(batch.cache_lengths_list, dtype=torch.long) - torch.tensor(batch.offsets_list[:-1], dtype=torch.long)
-    total = int(counts.sum())
-    return torch.arange(total, dtype=torch.long) + starts.repeat_interleave(counts)
-
-
-def last_rows(batch: CacheBatch) -> list[int]:
-    """The row of each sequence's last new token in the packed step (-1 for a sequence with none)."""
-    return [o - 1 if n else -1 for o, n in zip(batch.offsets_list[1:], batch.new_tokens_list)]
-
-
 @torch.no_grad()  # not inference_mode: the torch backend keeps scratch tensors across calls, which must stay writable outside it
 def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
     """Run ``model`` on one packed step; returns the logits ``[len(logit_rows), vocab]`` of those rows.
@@ -54,7 +41,7 @@ def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, l
         context[INDEX_KWARG] = IndexStep.build(context[STEP_KWARG], state.index_topk)
     out = model(
         input_ids=input_ids.to(device)[None],
-        position_ids=step_positions(batch).to(device)[None],
+        position_ids=batch.token_positions()[1].to(device)[None],  # the cache's one definition of positions
         use_cache=False,
         logits_to_keep=logit_rows.to(device),
         **context,
