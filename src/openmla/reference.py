@@ -126,14 +126,21 @@ def prefill(q: torch.Tensor, batch: CacheBatch, layer_idx: int, w_k: torch.Tenso
     qf = q.cpu().to(F64)
     out = torch.zeros(T, H, Dv, dtype=F64)
     lse = torch.full((T, H), -math.inf, dtype=F64)
+    by_sequence: dict[int, list[tuple[int, int]]] = {}
     for row, b, pos in _query_positions(batch):
-        rows = _query_keys(batch, b, pos, row, spec)
-        entries = cache_rows(batch, layer_idx, rows)
+        by_sequence.setdefault(b, []).append((row, pos))
+    for b, tokens in by_sequence.items():
+        # Every key a token of sequence b reads, up-projected once (the same product for every token).
+        rows_of = [_query_keys(batch, b, pos, row, spec) for row, pos in tokens]
+        keys = torch.unique(torch.cat(rows_of))
+        entries = cache_rows(batch, layer_idx, keys)
         latent, k_rope = entries[:, :L], entries[:, L:]
-        k_nope = torch.einsum("hdl,nl->hnd", W_UK, latent)  # [H, n, Dn]
-        v = torch.einsum("hdl,nl->hnd", W_UV, latent)  # [H, n, Dv]
-        scores = spec.scale * (torch.einsum("hd,hnd->hn", qf[row, :, :Dn], k_nope) + qf[row, :, Dn:] @ k_rope.T)
-        out[row], lse[row] = softmax_combine(scores, v, _sink_of(spec.attn_sink, b))
+        k_nope = torch.einsum("hdl,nl->hnd", W_UK, latent)  # [H, keys, Dn]
+        v = torch.einsum("hdl,nl->hnd", W_UV, latent)  # [H, keys, Dv]
+        for (row, _), rows in zip(tokens, rows_of):
+            i = torch.searchsorted(keys, rows)  # this token's keys (a repeated one counts twice)
+            scores = spec.scale * (torch.einsum("hd,hnd->hn", qf[row, :, :Dn], k_nope[:, i]) + qf[row, :, Dn:] @ k_rope[i].T)
+            out[row], lse[row] = softmax_combine(scores, v[:, i], _sink_of(spec.attn_sink, b))
     return out, lse
 
 
