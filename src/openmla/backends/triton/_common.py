@@ -63,6 +63,14 @@ def check_device(t: torch.Tensor) -> None:
                          "it, for one); set the variable before the first import of triton")
 
 
+def gpu_kind(device: torch.device) -> str | None:
+    """``"nvidia"`` or ``"amd"`` for a GPU (ROCm's torch names it ``cuda`` too), ``None`` for the CPU
+    (the interpreter): tile configs are chosen per kind."""
+    if device.type != "cuda":
+        return None
+    return "amd" if torch.version.hip else "nvidia"
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer a kernel fills is allocated here (tests swap in a NaN-filled version to
     prove each output element is written)."""

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...fp8 import DS_MLA_GROUP
+from ...fp8 import CACHE_FORMATS, DS_MLA_GROUP
 from ...masks import MaskVariant
 from . import _common
 from ._common import find_sequence, key_range, natural_lse, online_softmax_step, next_pow2, physical_row, search_steps
@@ -242,28 +242,40 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: a few splits still exercise the merge
 
 
-def decode_config(dtype: torch.dtype, device: torch.device, num_heads: int = 16, cache_format: str = "native") -> dict:
-    """Tile sizes and launch settings of stage 1 (BLOCK_H/BLOCK_N >= 16 for ``tl.dot``).
+# Stage-1 tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), per GPU kind (``_common.gpu_kind``).
+# Half-precision dots: by (cache format, more than 16 heads); float32 dots (FMA loops: 16 x 16,
+# one stage): by cache format. Every entry compiles without spills as launched, on sm_90 and
+# sm_100 ("nvidia") or gfx942 ("amd"): ``python -m openmla.backends.triton.aot``. Not yet tuned
+# by measurement on a GPU.
+_TILE_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
+DECODE_TILES = {
+    "nvidia": {
+        ("native", False): (16, 32, 4, 2),
+        ("native", True): (32, 32, 8, 2),  # 32 heads per block: half the key re-reads across head blocks
+        ("fp8_e4m3", False): (16, 32, 8, 2),  # fp8 -> bf16 widening takes registers: 8 warps
+        ("fp8_e4m3", True): (32, 32, 8, 2),
+        ("fp8_ds_mla", False): (16, 32, 8, 2),  # and fp8_ds_mla's per-group partial scores
+        ("fp8_ds_mla", True): (32, 16, 8, 2),
+    },
+    # gfx942: 8-wave work-groups cap a wave at 256 VGPRs (the 512 of a SIMD lane shared by two waves)
+    # and spill every 32-key or 2-stage tile; 4 waves, 16 keys, one stage spill nowhere.
+    "amd": {(fmt, wide): (32 if wide else 16, 16, 4, 1) for fmt in CACHE_FORMATS for wide in (False, True)},
+}
+DECODE_TILES_F32 = {
+    gpu: {"native": (16, 16, 4, 1), "fp8_e4m3": (16, 16, 4, 1), "fp8_ds_mla": (16, 16, 8, 1)} for gpu in ("nvidia", "amd")
+}
 
-    ``dtype``: the compute type (``CacheViews.compute_dtype``). Native caches: 16 heads x 32 keys
-    on 4 warps; 32 heads x 32 keys on 8 warps when there are more than 16 heads (half the key
-    re-reads across head blocks). FP8 caches with half-precision dots need 8 warps to stay
-    spill-free on sm_90 (the fp8 -> bf16 widening and, for fp8_ds_mla, the per-group partial
-    scores take registers): e4m3 16x32 / 32x32, ds_mla 16x32 / 32x16 (ptxas, no spill stack).
-    float32 dots: 16 x 16, one stage, on 4 warps (8 for fp8_ds_mla). Not yet tuned by measurement.
-    """
-    if device.type != "cuda":
+
+def decode_config(dtype: torch.dtype, device: torch.device, num_heads: int = 16, cache_format: str = "native") -> dict:
+    """Tile sizes and launch settings of stage 1 (BLOCK_H/BLOCK_N >= 16 for ``tl.dot``) from
+    ``DECODE_TILES`` / ``DECODE_TILES_F32``; ``dtype``: the compute type (``CacheViews.compute_dtype``).
+    The interpreter (CPU tensors): 16 x 16."""
+    gpu = _common.gpu_kind(device)
+    if gpu is None:
         return dict(BLOCK_H=16, BLOCK_N=16)
     if dtype in (torch.float32, torch.float64):
-        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=8 if cache_format == "fp8_ds_mla" else 4, num_stages=1)
-    if cache_format == "fp8_e4m3":
-        return dict(BLOCK_H=32 if num_heads > 16 else 16, BLOCK_N=32, num_warps=8, num_stages=2)
-    if cache_format == "fp8_ds_mla":
-        return dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=2) if num_heads > 16 else \
-            dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2)
-    if num_heads > 16:
-        return dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2)
-    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+        return dict(zip(_TILE_KEYS, DECODE_TILES_F32[gpu][cache_format]))
+    return dict(zip(_TILE_KEYS, DECODE_TILES[gpu][(cache_format, num_heads > 16)]))
 
 
 def default_num_splits(num_tokens: int, num_heads: int, max_keys: int, device: torch.device,

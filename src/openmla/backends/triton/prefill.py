@@ -118,21 +118,31 @@ def _flare_prefill_kernel(
     tl.store(lse_ptr + rows_out * stride_lt + h, lse, mask=q_ok)
 
 
-def prefill_config(dtype: torch.dtype, device: torch.device, tile=None) -> dict:
-    """``BLOCK_M``/``BLOCK_N`` (from ``tile``, an ``MlaConfigV2``, when given; >= 16 for
-    ``tl.dot``) and launch settings."""
-    wide = dtype in (torch.float32, torch.float64)
-    if tile is not None:
-        bm, bn = max(16, tile.block_m), max(16, tile.block_n)
-    elif device.type == "cuda":
-        bm, bn = (16, 16) if wide else (128, 32)  # float32 dots are FMA loops: small tiles avoid spills
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU kind (``_common.gpu_kind``), for half-precision
+# dots and for float32 dots (FMA loops: small tiles; 8 warps on fp8_ds_mla caches, where 4 spill
+# 8 bytes on sm_90). Every entry compiles without spills as launched on sm_90 and sm_100
+# ("nvidia") or gfx942 ("amd"): ``python -m openmla.backends.triton.aot``. gfx942 takes one
+# stage: with 3 the 128 x 32 tile spills 2-32 VGPRs, with 2 one.
+_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+PREFILL_TILES = {
+    "nvidia": {"half": (128, 32, 8, 3), "float32": (16, 16, 4, 1), "float32 fp8_ds_mla": (16, 16, 8, 1)},
+    "amd": {"half": (128, 32, 8, 1), "float32": (16, 16, 4, 1), "float32 fp8_ds_mla": (16, 16, 8, 1)},
+}
+
+
+def prefill_config(dtype: torch.dtype, device: torch.device, tile=None, cache_format: str = "native") -> dict:
+    """``BLOCK_M``/``BLOCK_N`` and launch settings for ``tl.dot`` operands of ``dtype`` (float32 or a
+    half type) on a ``cache_format`` cache, from ``PREFILL_TILES``; ``tile`` (an ``MlaConfigV2``)
+    overrides the block sizes (>= 16 for ``tl.dot``). The interpreter (CPU tensors): 16 x 32."""
+    gpu = _common.gpu_kind(device)
+    if gpu is None:
+        cfg = dict(BLOCK_M=16, BLOCK_N=32)
     else:
-        bm, bn = 16, 32
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn)
-    if device.type == "cuda" and wide:
-        cfg.update(num_warps=4, num_stages=1)
-    elif device.type == "cuda":  # 128 x 32 on 8 warps, 3 stages: the fewest register spills on sm_90 (ptxas)
-        cfg.update(num_warps=8, num_stages=3)
+        kind = "half" if dtype not in (torch.float32, torch.float64) else \
+            "float32 fp8_ds_mla" if cache_format == "fp8_ds_mla" else "float32"
+        cfg = dict(zip(_TILE_KEYS, PREFILL_TILES[gpu][kind]))
+    if tile is not None:
+        cfg.update(BLOCK_M=max(16, tile.block_m), BLOCK_N=max(16, tile.block_n))
     return cfg
 
 
@@ -166,7 +176,9 @@ def flare_prefill_into(
     block_table = _common.as_index(batch.block_table)
     mask_code, window, chunk = _common.mask_args(mask)
     dot_t = views.dot_dtype(q.dtype, k.dtype, v.dtype)
-    cfg = dict(config) if config is not None else prefill_config(q.dtype, q.device, tile)
+    # Tiles follow the dot type, not q's: float16 q on fp8_ds_mla's bfloat16 rope dots in float32.
+    compute = torch.float32 if dot_t == tl.float32 else q.dtype
+    cfg = dict(config) if config is not None else prefill_config(compute, q.device, tile, batch.cache_format)
     grid = (triton.cdiv(max_new_tokens, cfg["BLOCK_M"]), H, B)
     _flare_prefill_kernel[grid](
         q, k, v, views.rope, views.kv_scale, block_table, _common.as_index(batch.cache_lengths),
