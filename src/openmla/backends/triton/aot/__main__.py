@@ -1,0 +1,84 @@
+"""``python -m openmla.backends.triton.aot``: print the compile report (and the static roofline),
+optionally write it as JSON; exit status 1 when a kernel fails to compile, spills or overflows
+shared memory on a target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .. import _common
+
+if _common.INTERPRET:
+    sys.exit("openmla.backends.triton.aot compiles real kernels: unset TRITON_INTERPRET")
+
+import torch  # noqa: E402
+
+from . import roofline  # noqa: E402
+from .launches import CACHE_FORMATS, all_cases  # noqa: E402
+from .report import build  # noqa: E402
+from .select import SUBSETS  # noqa: E402
+from .targets import TARGETS  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m openmla.backends.triton.aot", description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="query (and native cache) dtypes")
+    p.add_argument("--cache-formats", default=",".join(CACHE_FORMATS))
+    p.add_argument("--select", choices=sorted(SUBSETS), help="compile only a named subset of the variants")
+    p.add_argument("--no-launch-hints", action="store_true", help="compile without a launch's specialisation (the old report)")
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="compile processes")
+    p.add_argument("--json", help="write the report (and the roofline) to this file")
+    p.add_argument("--no-roofline", action="store_true")
+    return p.parse_args(argv)
+
+
+def _resources(r: dict) -> str:
+    if "error" in r:
+        return "ERROR " + r["error"].splitlines()[0][:160]
+    if "vgprs" in r:
+        regs = f"vgpr={r['vgprs']:3d} agpr={r['agprs']:3d} sgpr={r['sgprs']:3d} spill v/s={r['vgpr_spills']}/{r['sgpr_spills']} " \
+               f"scratch={r['scratch']}"
+        occ = f"waves/SIMD={r['waves_per_simd']} (llvm {r['llvm_occupancy']})"
+    else:
+        regs = f"regs={r['regs']:3d} stack={r['stack']:4d} spill st/ld={r['spill_stores']}/{r['spill_loads']}"
+        occ = f"blocks/SM={r['blocks_per_sm']}"
+    return f"{regs} smem={r['smem']:6d} {occ} occ={r['occupancy']:.0%} ({r['limiter']})"
+
+
+def print_row(r: dict) -> None:
+    where = f"{r['target']:7s} {r['kernel']:28s} {r['dtype']:9s} {r['cache']:10s} {r.get('mask', '-'):17s} {r.get('sparse', '-'):8s}"
+    launch = f"w={r.get('num_warps', '-')} s={r.get('num_stages', '-')}"
+    print(f"{where} {r['variant']:52s} {launch:8s} {_resources(r)}  [{r['compile_s']:.1f} s]", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    targets = a.targets.split(",")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        sys.exit(f"--targets: unknown {unknown}; choose from {list(TARGETS)}")
+    cases = all_cases(tuple(getattr(torch, d) for d in a.dtypes.split(",")), tuple(a.cache_formats.split(",")))
+    start = time.perf_counter()
+    report = build(cases, targets, hints=not a.no_launch_hints, jobs=a.jobs, select=SUBSETS.get(a.select), on_row=print_row)
+    report["elapsed_s"] = round(time.perf_counter() - start, 1)
+    missing = sorted(set(report["kernels_defined"]) - set(report["kernels_reached"]))
+    print(f"{len(report['rows'])} binaries for {', '.join(targets)} in {report['elapsed_s']} s; "
+          f"kernels never launched here: {missing or 'none'}; {len(report['failures'])} failures")
+    for line in report["failures"]:
+        print("FAIL", line)
+    if not a.no_roofline:
+        report["roofline"] = roofline.table()
+        roofline.print_table(report["roofline"])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if report["failures"] or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
