@@ -54,6 +54,7 @@ import torch  # noqa: E402
 import openmla  # noqa: E402
 from openmla import CacheBatch  # noqa: E402
 from openmla.backends.triton import _common  # noqa: E402
+from openmla.backends.triton.aot import roofline  # noqa: E402
 from openmla.cache import HostLists  # noqa: E402
 from openmla.backends.triton.decode import decode_config, decode_into, default_num_splits  # noqa: E402
 from openmla.backends.triton.prefill import flare_prefill_into, gather_up_project, prefill_config  # noqa: E402
@@ -71,12 +72,10 @@ if ARGS.dry_run:
     PREFILL = [(1, 40), (3, 12)]  # (B, new tokens each)
     PREFILL_H, PAGE, WRITE_T = 2, 16, 16
     WARMUP, ITERS, GRAPH_REPLAYS = 1, 2, 2
-else:
-    DIMS = dict(L=512, R=64, Dn=128, Dv=128)
-    DECODE = [(b, h, c) for c in (4096, 32768) for b in (64, 128) for h in (16, 128)]
-    FP8_DECODE = [(64, 16, 4096), (64, 128, 4096)]
-    PREFILL = [(1, 8192), (8, 1024)]
-    PREFILL_H, PAGE, WRITE_T = 128, 64, 8192
+else:  # the shapes of the static roofline (python -m openmla.backends.triton.aot)
+    DIMS = dict(L=roofline.L, R=roofline.R, Dn=roofline.DN, Dv=roofline.DV)
+    DECODE, FP8_DECODE, PREFILL = roofline.DECODE, roofline.FP8_DECODE, roofline.PREFILL
+    PREFILL_H, PAGE, WRITE_T = roofline.PREFILL_H, 64, roofline.WRITE_T
     WARMUP, ITERS, GRAPH_REPLAYS = 3, 20, 20
 
 

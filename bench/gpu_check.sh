@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# One-shot GPU check of openmla (about 5-8 minutes on an H200):
-#   1. the whole test suite on the GPU (the triton tests run compiled on CUDA tensors),
-#   2. bench/gpu_graph.py: a decode step over all layers captured in one CUDA graph from a plan with fixed
-#      capacities, replayed after plan.refill for several steps, compared with eager runs,
-#   3. bench/gpu_bench.py: decode (bf16, fp8_ds_mla and fp8_e4m3 caches) / prefill / cache-write timings against this GPU's
-#      measured copy bandwidth and bf16 matmul rate, plus a small tile sweep.
+# One-shot GPU check of openmla, at most 10 minutes (stage limits 540 s, plus 10 s grace each after SIGINT):
+#   1. tests   the Triton tests compiled on the GPU (test_triton_backend / _fp8 / _bounds), 210 s;
+#   2. report  bench/gpu_report_check.py: the compile report (python -m openmla.backends.triton.aot)
+#              against what a real launch compiles on this GPU: registers, local memory, shared memory, 75 s;
+#   3. graph   bench/gpu_graph.py: a 61-layer decode step (DeepSeek-V3's layer count) captured in one
+#              CUDA graph from a plan with fixed capacities, replayed after plan.refill, compared with eager runs, 85 s;
+#   4. bench   bench/gpu_bench.py: decode (bf16, fp8_ds_mla, fp8_e4m3 caches), prefill and cache-write timed
+#              against this GPU's measured copy bandwidth and bf16 matmul rate (tile sweeps last, as time allows), 170 s;
+#   5. bench/gpu_summary.py folds everything into one JSON: $OUT/gpu_check.json.
 # Usage: bench/gpu_check.sh            (from anywhere; results in $OUT, else bench/out)
-# Env:   PYTHON=...  the interpreter to use (default: the first with CUDA torch among
-#        .venv/bin/python, python3, python); TEST_TIMEOUT / BENCH_TIMEOUT in seconds.
-# Each stage has its own time limit and a failing stage does not stop the next one;
-# the exit status is non-zero if any stage failed.
+# Env:   PYTHON=...  the interpreter to use (default: the first with CUDA torch among .venv/bin/python,
+#        python3, python). A failing stage does not stop the next; the exit status is non-zero if any failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/out}"
 mkdir -p "$OUT_DIR"
+: > "$OUT_DIR/stages.tsv"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET OPENMLA_BACKEND  # compiled kernels, automatic backend choice
 
@@ -36,23 +38,24 @@ fi
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
 
 status=0
-echo "== tests (limit ${TEST_TIMEOUT:-300} s)" | tee -a "$OUT_DIR/gpu_check.log"
-timeout -k 10 "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests -q -p no:cacheprovider -rfEs --durations=15 \
-  --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log"
-rc=${PIPESTATUS[0]}
-echo "tests exit status: $rc" | tee -a "$OUT_DIR/gpu_check.log"
-[ "$rc" -eq 0 ] || status=1
+# stage NAME LIMIT_S LOG CMD...: runs CMD under a time limit (SIGINT first: pytest still writes its JUnit
+# file), logs it, and records "NAME<TAB>exit status<TAB>seconds" in stages.tsv.
+stage() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  echo "== $name (limit $limit s)" | tee -a "$OUT_DIR/gpu_check.log"
+  local t0=$SECONDS
+  timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$log"
+  local rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT_DIR/stages.tsv"
+  echo "$name exit status: $rc ($((SECONDS - t0)) s)" | tee -a "$OUT_DIR/gpu_check.log"
+  [ "$rc" -eq 0 ] || status=1
+}
 
-echo "== CUDA graph of a decode step over all layers (limit 120 s)" | tee -a "$OUT_DIR/gpu_check.log"
-timeout -k 10 120 "$PY" bench/gpu_graph.py 2>&1 | tee "$OUT_DIR/gpu_graph.log"
-rc=${PIPESTATUS[0]}
-echo "cuda graph exit status: $rc" | tee -a "$OUT_DIR/gpu_check.log"
-[ "$rc" -eq 0 ] || status=1
-
-echo "== benchmark (limit ${BENCH_TIMEOUT:-240} s)" | tee -a "$OUT_DIR/gpu_check.log"
-timeout -k 10 "${BENCH_TIMEOUT:-240}" "$PY" bench/gpu_bench.py --out "$OUT_DIR" --budget-s "$(( ${BENCH_TIMEOUT:-240} - 40 ))" \
-  2>&1 | tee "$OUT_DIR/gpu_bench.log"
-rc=${PIPESTATUS[0]}
-echo "benchmark exit status: $rc (results: $OUT_DIR/gpu_bench.json)" | tee -a "$OUT_DIR/gpu_check.log"
-[ "$rc" -eq 0 ] || status=1
+stage tests 210 gpu_tests.log "$PY" -m pytest tests/test_triton_backend.py tests/test_triton_fp8.py tests/test_triton_bounds.py \
+  -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT_DIR/gpu_tests.xml"
+stage report 75 gpu_report_check.log "$PY" bench/gpu_report_check.py --out "$OUT_DIR"
+stage graph 85 gpu_graph.log "$PY" bench/gpu_graph.py --layers 61
+stage bench 170 gpu_bench.log "$PY" bench/gpu_bench.py --out "$OUT_DIR" --budget-s 135
+"$PY" bench/gpu_summary.py "$OUT_DIR" | tee -a "$OUT_DIR/gpu_check.log"
 exit $status
