@@ -1,7 +1,9 @@
-"""The ``torch`` backend: plain PyTorch tensor ops (runs on any torch device, never syncs with it).
+"""The ``torch`` backend: plain PyTorch tensor ops (runs on any torch device, never syncs with it:
+no call reads a tensor value on the host; tests/test_torch_sync_free.py holds it to that).
 
 - ``cache_write``: RMSNorm + RoPE + paged scatter of a ragged batch, q rope.
-- ``decode``: absorbed (MQA) attention over the paged latent cache, split-KV, sparse, sinks.
+- ``decode``: absorbed (MQA) attention over the paged latent cache, split-KV, sparse, sinks;
+  its ``OnlineSoftmax`` (flash-style running max, sum and output in float32) serves both forms.
 - ``prefill``: up-projected (MHA) attention, chunked by the plan's chunk plan.
 
 FP8 caches (``fp8_e4m3``, ``fp8_ds_mla``): the cache write quantises through

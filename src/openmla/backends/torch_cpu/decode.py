@@ -38,11 +38,11 @@ if TYPE_CHECKING:
 
 __all__ = ["decode", "OnlineSoftmax", "fully_visible"]
 
-# Block sizes (bench/RESULTS.md, "torch backend, plain"):
-SCORE_BUDGET = 1 << 19  # score elements per key block (2 MiB of float32): cache-sized blocks
-MAX_BLOCK_KEYS = 4096  # keys per block at few query rows (a 4K context at H=16 in one block)
+# Block sizes (bench/RESULTS.md, "torch backend, plain"; times flat within noise around them):
+SCORE_BUDGET = 1 << 19  # score elements per key block (2 MiB of float32); 2^17..2^20 within 6% at H=128
+MAX_BLOCK_KEYS = 4096  # keys per block at few query rows; 1K..8K keys within noise at H=16
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) per dense chunk, so a block keeps >= 512 keys
-SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path (tokens x slots)
+SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path (tokens x slots): one block's worth
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
