@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import openmla
-from openmla.backends.triton.aot.targets import TARGETS, AmdLimits, NvidiaLimits
+pytest.importorskip("triton", reason="triton is not installed (pip install 'openmla[triton]')")
 
-pytest.importorskip("triton")
+import openmla  # noqa: E402
+from openmla.backends.triton.aot.targets import TARGETS, AmdLimits, NvidiaLimits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
