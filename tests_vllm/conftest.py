@@ -36,4 +36,6 @@ def generate(spec: dict, tmp_path: Path, *, openmla: bool, env: dict | None = No
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise AssertionError(f"generate.py failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["announced"] = "serves the MLA attention layers of this process" in proc.stdout + proc.stderr  # openmla's log line
+    return result

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from models import ENGINE_DTYPE  # tests_vllm/ (this script's folder is on sys.path)
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 
@@ -72,7 +74,7 @@ def main(path: str) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    engine = dict(dtype="bfloat16", enforce_eager=True, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
+    engine = dict(dtype=spec.get("dtype", ENGINE_DTYPE), enforce_eager=True, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
                   enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0)
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)

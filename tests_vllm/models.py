@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 
 VOCAB = 512
+# The engines' dtype: bfloat16 where this CPU has bf16 dot products; float32 elsewhere (an AVX2 CPU
+# emulates bf16 matmuls ~100x slower than float32, which a user there would not serve in either).
+ENGINE_DTYPE = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 
 

@@ -24,7 +24,7 @@ from .kept_plans import kept_plan
 from .masks import MaskVariant
 from .planning import DECODE_MAX_Q_LEN
 from .validate import FLOAT_DTYPES, check_int, check_offsets, check_query, check_tensor, snapshot_batch
-from .weights import LayerWeights
+from .weights import LayerWeights, explain_mismatch
 
 __all__ = [
     "DECODE_MAX_Q_LEN", "MlaConfigV2", "MaskOptions", "StepOptions", "flare_mla_decode", "flare_mla_prefill",
@@ -118,12 +118,21 @@ def mla_write_cache(
 
 
 def seed_weights(kv_norm_gamma: object, w_k: object, w_uk: object, w_uv: object, epsilon: object,
-                 rope_interleaved: object) -> LayerWeights:
-    """The seeds' loose per-layer arguments as one ``LayerWeights`` (errors name the seeds' argument)."""
+                 rope_interleaved: object, q: object = None, head_dim: int | None = None) -> LayerWeights:
+    """The seeds' loose per-layer arguments as one ``LayerWeights``; an error names the seeds'
+    argument (where the weights alone leave it open, ``q`` and the cache's entry width decide)."""
     try:
         return LayerWeights(kv_norm_gamma, w_k, w_uk, w_uv, epsilon, rope_interleaved)
     except ValueError as exc:
-        raise ValueError(str(exc).removeprefix("weights.")) from None
+        error = exc
+    try:
+        if isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(kv_norm_gamma, torch.Tensor) and head_dim is not None:
+            explain_mismatch(kv_norm_gamma, w_k, w_uk, w_uv, heads=q.shape[1],
+                            nope=q.shape[2] - (head_dim - kv_norm_gamma.shape[-1]))
+    except (ValueError, AssertionError) as better:
+        if isinstance(better, ValueError):
+            error = better
+    raise ValueError(str(error).removeprefix("weights.")) from None
 
 
 def _check_q_scale(q_scale: object) -> None:
@@ -168,7 +177,7 @@ def mla_prefill_decode_graph(q, kv, input_row_offsets, freqs_cis, kv_norm_gamma,
     if offs != step.batch.offsets_list:
         raise ValueError("input_row_offsets: differs from kv_collection.input_row_offsets")
     _check_q_scale(q_scale)
-    weights = seed_weights(kv_norm_gamma, w_k, w_uk, w_uv, epsilon, rope_interleaved)
+    weights = seed_weights(kv_norm_gamma, w_k, w_uk, w_uv, epsilon, rope_interleaved, q, step.head_dim)
     return step.run(q, kv, layer_idx, weights, freqs_cis, q_scale=q_scale, return_lse=return_lse)
 
 

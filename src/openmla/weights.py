@@ -8,6 +8,8 @@ contiguous copies); a layer call is then ``plan.run(q, kv, layer_idx, weights, f
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .validate import FLOAT_DTYPES, check_float, check_tensor
@@ -28,8 +30,8 @@ class LayerWeights:
                  epsilon: float = 1e-6, rope_interleaved: bool = True) -> None:
         sizes = _consistent(kv_norm_gamma, w_k, w_uk, w_uv)
         if sizes is None:
-            _explain(kv_norm_gamma, w_k, w_uk, w_uv)  # raises ValueError naming the odd tensor
-        if not (type(epsilon) is float and epsilon >= 0.0 and epsilon == epsilon):
+            explain_mismatch(kv_norm_gamma, w_k, w_uk, w_uv)  # raises ValueError naming the odd tensor
+        if not (type(epsilon) is float and 0.0 <= epsilon < math.inf):
             epsilon = check_float("weights.epsilon", epsilon, lo=0.0)
         if not isinstance(rope_interleaved, bool):
             raise ValueError(f"weights.rope_interleaved: expected a bool, got {rope_interleaved!r}")
@@ -77,19 +79,20 @@ def _consistent(g: object, w_k: object, w_uk: object, w_uv: object) -> tuple[int
     return (H, L, Dn, Dv) if ok else None
 
 
-def _explain(g: object, w_k: object, w_uk: object, w_uv: object) -> None:
-    """The ``ValueError`` for weights ``_consistent`` rejected, naming the odd tensor out."""
+def explain_mismatch(g: object, w_k: object, w_uk: object, w_uv: object, *, heads: int | None = None, nope: int | None = None) -> None:
+    """The ``ValueError`` for weights ``_consistent`` rejected, naming the odd tensor out. ``heads``
+    and ``nope``: what a caller knows of H and Dn from elsewhere (a query), a vote each."""
     for name, t, rank in (("kv_norm_gamma", g, 1), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3), ("w_k", w_k, 2)):
         check_tensor(f"weights.{name}", t, rank=rank)
     L = _agreed(g.shape[0], w_uk.shape[1], w_uv.shape[2], w_k.shape[1])  # sizes most sources agree on
-    Dn = w_uk.shape[2]
-    H = _agreed(w_uk.shape[0], w_uv.shape[0], w_k.shape[0] // Dn if Dn and w_k.shape[0] % Dn == 0 else None)
+    H = _agreed(w_uk.shape[0], w_uv.shape[0], heads)
+    Dn = _agreed(w_uk.shape[2], nope, w_k.shape[0] // H if H and w_k.shape[0] % H == 0 else None)
     dev = g.device
     check_tensor("weights.kv_norm_gamma", g, shape=(L,), dtypes=FLOAT_DTYPES)
-    check_tensor("weights.w_uk", w_uk, shape=(H, L, None), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("weights.w_uk", w_uk, shape=(H, L, Dn), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("weights.w_uv", w_uv, shape=(H, None, L), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("weights.w_k", w_k, shape=(H * Dn, L), dtypes=FLOAT_DTYPES, device=dev)
-    raise AssertionError("weights: _consistent and _explain disagree")  # unreachable when both are right
+    raise AssertionError("weights: _consistent and explain_mismatch disagree")  # unreachable when both are right
 
 
 def _agreed(*sizes: int | None) -> int:

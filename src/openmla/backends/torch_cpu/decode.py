@@ -54,33 +54,33 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class OnlineSoftmax:
     """Softmax attention of some query rows, accumulated over key blocks (flash-attention style).
 
-    Per row: ``m`` the largest score so far (-inf while no key was seen), ``l`` the sum of
+    Per row: ``m`` the largest score so far (-inf while no key was seen), ``den`` the sum of
     ``exp(score - m)`` and ``acc`` the sum of ``exp(score - m) * value``, all in ``dtype``
     (float32, or float64). ``rows`` is the shape of the query rows, ``depth`` the value width.
     """
 
     def __init__(self, rows: tuple[int, ...], depth: int, dtype: torch.dtype, device: torch.device) -> None:
         self.m = torch.full(rows, -math.inf, dtype=dtype, device=device)
-        self.l = torch.zeros(rows, dtype=dtype, device=device)
+        self.den = torch.zeros(rows, dtype=dtype, device=device)
         self.acc = torch.zeros(*rows, depth, dtype=dtype, device=device)
 
     def add(self, s: torch.Tensor, v: torch.Tensor, at=...) -> None:
         """Fold in one key block: scores ``s [..., n]`` in the state's dtype, already scaled, -inf
         where masked (overwritten); values ``v [..., n, depth]``; ``at`` indexes the state's rows."""
-        m, l, acc = self.m[at], self.l[at], self.acc[at]
+        m, den, acc = self.m[at], self.den[at], self.acc[at]  # views: ``at`` is basic (slice) indexing
         m_new = torch.maximum(m, s.amax(-1))
         m_ref = m_new.masked_fill(m_new == -math.inf, 0.0)  # no key yet: any finite reference (exp(-inf) = 0)
         p = s.sub_(m_ref.unsqueeze(-1)).exp_()
         alpha = torch.exp(m - m_ref)  # rescales what came before (0 when nothing did)
-        l.mul_(alpha).add_(p.sum(-1))
+        den.mul_(alpha).add_(p.sum(-1))
         acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p.to(v.dtype), v))
         m.copy_(m_new)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out = acc / l`` and the natural-log ``lse = m + log(l)``; rows without keys give 0 and -inf."""
-        seen = self.l > 0
-        out = self.acc / torch.where(seen, self.l, 1.0).unsqueeze(-1)
-        lse = torch.where(seen, self.m + torch.log(self.l), -math.inf)
+        """``out = acc / den`` and the natural-log ``lse = m + log(den)``; rows without keys give 0 and -inf."""
+        seen = self.den > 0
+        out = self.acc / torch.where(seen, self.den, 1.0).unsqueeze(-1)
+        lse = torch.where(seen, self.m + torch.log(self.den), -math.inf)
         return out, lse
 
 
@@ -105,8 +105,8 @@ def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
 def _merge(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV merge of partial results over disjoint key ranges."""
     out, lse = results[0]
-    for o, l in results[1:]:
-        out, lse = merge_states(out, lse, o, l)
+    for o, part_lse in results[1:]:
+        out, lse = merge_states(out, lse, o, part_lse)
     return out, lse
 
 
@@ -156,9 +156,9 @@ def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSp
                         s.view(r1 - r0, H, k1 - k0).masked_fill_(~visible[:, None, :], -math.inf)
                     state.add(s, keys[:, :L])
                 results.append(state.result())
-            o, l = _merge(results)
+            o, o_lse = _merge(results)
             out[r0:r1] = o.view(r1 - r0, H, L)
-            lse[r0:r1] = l.view(r1 - r0, H)
+            lse[r0:r1] = o_lse.view(r1 - r0, H)
 
 
 # Sparse: each query token's listed keys -------------------------------------------------------

@@ -8,12 +8,18 @@ the latent output). Each runs the plan the metadata builder made for the step ov
 layer's own cache tensor.
 
 The decode form's absorption (q x W_UK) and output projection (x W_UV) are vLLM's, outside
-the backend. On a CPU with AMX the impl opts into vLLM's AMX batched GEMM for both
-(``uses_amx_bmm``: the weights packed once by vLLM's own ``AMXMLAImpl`` code, as its AMX_MLA
-backend does); elsewhere vLLM runs one ``torch.bmm`` each.
+the backend. On a CPU with AMX and a bfloat16 model the impl opts into vLLM's AMX batched GEMM
+for both (``uses_amx_bmm``: the weights packed once by vLLM's own ``AMXMLAImpl`` code, as its
+AMX_MLA backend does); that GEMM takes bfloat16 only (float16 gives wrong results, float32
+weights are refused), so other dtypes, and CPUs without AMX, run one ``torch.bmm`` each.
+
+The first impl of a process logs one line (on vLLM's logger) saying that openmla serves its
+MLA layers, with the openmla backend the kernels run on.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
@@ -23,6 +29,9 @@ from vllm.v1.attention.backend import AttentionType
 from openmla import CacheBatch
 
 from .metadata import OpenMLAMetadata, layer_blocks
+
+logger = logging.getLogger("vllm.openmla")  # a child of vLLM's logger: printed with vLLM's own lines
+_announced: list[bool] = []
 
 
 class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
@@ -43,8 +52,9 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
         # Read by MLAAttention once this impl exists: vLLM's AMX bmm for the decode absorption
         # and W_UV, against the packed weights that process_weights_after_loading makes.
-        self.uses_amx_bmm = _amx_bmm_available()
+        self.uses_amx_bmm = _amx_bmm_available(_model_dtype())
         self._w_uk_packed = self._w_uv_packed = self._w_scale = None
+        _announce(self.uses_amx_bmm)
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False  # forward_mha writes the model dtype
@@ -104,10 +114,34 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         output.view(out.shape).copy_(out)
 
 
-def _amx_bmm_available() -> bool:
-    """Whether vLLM's CPU AMX batched GEMM (and its weight packing) can run here."""
+def _model_dtype() -> torch.dtype | None:
+    """The dtype of the model being built (vLLM's current config), None outside one."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    return getattr(model_config, "dtype", None)
+
+
+def _amx_bmm_available(dtype: torch.dtype | None) -> bool:
+    """Whether vLLM's CPU AMX batched GEMM (and its weight packing) can run here for ``dtype``:
+    bfloat16 on a CPU with AMX tiles."""
     from vllm.platforms import current_platform
 
     ops = getattr(torch.ops, "_C", None)
-    return (current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
+    return (dtype == torch.bfloat16 and current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
             and hasattr(ops, "convert_weight_packed") and hasattr(ops, "bmm_cpu"))
+
+
+def _announce(amx_bmm: bool) -> None:
+    """One log line per process: openmla serves the MLA layers, on which of its backends."""
+    if _announced:
+        return
+    _announced.append(True)
+    from vllm.platforms import current_platform
+
+    from openmla import __version__
+    from openmla.backends import resolve_backend_name
+
+    kernels = resolve_backend_name(None, torch.device("cpu" if current_platform.is_cpu() else "cuda"))
+    logger.info("openmla %s serves the MLA attention layers of this process (kernels: openmla's %s backend; "
+                "absorption and output projection: %s)", __version__, kernels, "vLLM's AMX bmm" if amx_bmm else "torch.bmm")

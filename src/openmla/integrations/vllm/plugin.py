@@ -14,7 +14,7 @@ BACKEND_PATH = "openmla.integrations.vllm.backend.OpenMLABackend"
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lowest, first unsupported): the releases the tests ran on
 OPT_IN = "OPENMLA_VLLM"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.openmla")  # a child of vLLM's logger: printed with vLLM's own lines
 
 
 def opted_in() -> bool:
