@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'open
 import openmla  # noqa: E402
 from openmla import CacheBatch, MlaConfigV2, reference as ref  # noqa: E402
 from openmla import combine  # noqa: E402
-from openmla.backends import reference_backend  # noqa: E402
+from openmla.backends import load_backend  # noqa: E402
 from openmla.backends.triton import _common  # noqa: E402
 from openmla.backends.triton.decode import decode_into, default_num_splits  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
@@ -112,7 +112,7 @@ def test_write_cache(page_size, interleaved, dtype, heads):
     q_rot = openmla.mla_write_cache(dev.q, dev.kv, dev.freqs_cis, dev.gamma, dev.batch, dev.layer_idx,
                                     rope_interleaved=interleaved, backend="triton")
     ref_plan = openmla.plan(case.batch, scale=case.scale, backend="reference")
-    want_q = reference_backend.write_cache(ref_plan, case.layer_idx, case.q, case.kv, case.freqs_cis, case.gamma, 1e-6,
+    want_q = load_backend("reference").write_cache(ref_plan, case.layer_idx, case.q, case.kv, case.freqs_cis, case.gamma, 1e-6,
                                            interleaved)
     check(q_rot, want_q, dtype, case, "q_rot")
     check(dev.batch.blocks, case.batch.blocks, dtype, case, "cache")

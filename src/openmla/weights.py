@@ -85,8 +85,9 @@ def explain_mismatch(g: object, w_k: object, w_uk: object, w_uv: object, *, head
     for name, t, rank in (("kv_norm_gamma", g, 1), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3), ("w_k", w_k, 2)):
         check_tensor(f"weights.{name}", t, rank=rank)
     L = _agreed(g.shape[0], w_uk.shape[1], w_uv.shape[2], w_k.shape[1])  # sizes most sources agree on
-    H = _agreed(w_uk.shape[0], w_uv.shape[0], heads)
-    Dn = _agreed(w_uk.shape[2], nope, w_k.shape[0] // H if H and w_k.shape[0] % H == 0 else None)
+    rows, d = w_k.shape[0], w_uk.shape[2]
+    H = _agreed(w_uk.shape[0], w_uv.shape[0], heads, rows // d if d and rows % d == 0 else None)
+    Dn = _agreed(w_uk.shape[2], nope, rows // H if H and rows % H == 0 else None)
     dev = g.device
     check_tensor("weights.kv_norm_gamma", g, shape=(L,), dtypes=FLOAT_DTYPES)
     check_tensor("weights.w_uk", w_uk, shape=(H, L, Dn), dtypes=FLOAT_DTYPES, device=dev)
