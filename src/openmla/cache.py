@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .fp8 import CACHE_FORMATS, DS_MLA_GROUP, FP8, ds_mla_latent_rank, ds_mla_record_bytes, pack_ds_mla, quantize_e4m3, unpack_ds_mla
+from .formats import CACHE_FORMATS, QUANTIZED_FORMATS, RECORDS
+from .fp8 import FP8, quantize_e4m3
 
 # Storage dtypes of a native cache (what every backend computes in), and of metadata tensors.
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
-STORAGE_DTYPES = {"native": NATIVE_DTYPES, "fp8_e4m3": (FP8,), "fp8_ds_mla": (torch.uint8,)}
+STORAGE_DTYPES = {"native": NATIVE_DTYPES, "fp8_e4m3": (FP8,), **{name: (torch.uint8,) for name in RECORDS}}
 INT32_MAX = 2**31 - 1  # metadata, positions and physical rows are int32 in the kernels
 
 
@@ -133,8 +134,9 @@ class CacheBatch:
     - ``cache_lengths``: int32 ``[B]``, tokens already cached before this call.
     - ``input_row_offsets``: int32 ``[B+1]``, rows of the ragged query batch per sequence.
     - ``cache_format``: ``native`` (entries in ``blocks.dtype``: bfloat16, float16, float32 or
-      float64), ``fp8_e4m3`` (float8 entries times ``kv_scale[layer]``) or ``fp8_ds_mla`` (uint8
-      token records, see ``openmla.fp8``).
+      float64), ``fp8_e4m3`` (float8 entries times ``kv_scale[layer]``) or a record format:
+      ``fp8_ds_mla``, ``nvfp4_ds_mla``, ``nvfp4_fp8rope`` (uint8 token records, see
+      ``openmla.formats``).
     - ``ticket``: what ``PagedLatentCache.prepare`` reserved (``commit`` reads it); None for a
       batch built by hand, which no cache commits.
 
@@ -151,7 +153,7 @@ class CacheBatch:
     seq_ids: tuple = ()
     cache_format: str = "native"
     kv_scale: torch.Tensor | None = None  # float32 [num_layers], fp8_e4m3 only
-    rope_dim: int | None = None  # R, needed to decode fp8_ds_mla records
+    rope_dim: int | None = None  # R, needed to decode token records (fp8_ds_mla, nvfp4_*)
     ticket: "Ticket | None" = field(default=None, repr=False, compare=False)  # set by PagedLatentCache.prepare
     _host: "HostLists" = field(default_factory=lambda: HostLists(), repr=False, compare=False)
 
@@ -190,15 +192,15 @@ class CacheBatch:
             k = self.kv_scale
             if not isinstance(k, torch.Tensor) or k.dtype != torch.float32 or tuple(k.shape) != (blocks.shape[0],) or k.device != dev:
                 fail("kv_scale", f"expected a float32 [{blocks.shape[0]}] tensor on {dev} (one scale per layer), got {_describe(k)}")
-        if self.rope_dim is not None or self.cache_format == "fp8_ds_mla":
+        record = RECORDS.get(self.cache_format)
+        if self.rope_dim is not None or record is not None:
             R = self.rope_dim
             if isinstance(R, bool) or not isinstance(R, int) or R < 1:
                 fail("rope_dim", f"expected a positive int (the rope width R), got {R!r}")
-            if self.cache_format == "fp8_ds_mla":
-                L = ds_mla_latent_rank(int(blocks.shape[3]), R)
-                if R % 2 or L < DS_MLA_GROUP or L % DS_MLA_GROUP or ds_mla_record_bytes(L, R) != blocks.shape[3]:
-                    fail("rope_dim", f"{R} does not split {blocks.shape[3]}-byte fp8_ds_mla records into a latent of whole "
-                         f"{DS_MLA_GROUP}-value groups and an even rope width")
+            if record is not None and not record.fits(int(blocks.shape[3]), R):
+                why = record.shape_error(record.latent_rank(int(blocks.shape[3]), R), R)
+                fail("rope_dim", f"{R} does not split {blocks.shape[3]}-byte {self.cache_format} records into a latent and "
+                     f"a rope part the format holds{f' ({why[1]})' if why else ''}")
         if self.ticket is not None and not isinstance(self.ticket, Ticket):
             fail("ticket", f"expected a Ticket from PagedLatentCache.prepare or None, got {type(self.ticket).__name__}")
         if not isinstance(self._host, HostLists):
@@ -252,8 +254,9 @@ class CacheBatch:
     @property
     def head_dim(self) -> int:
         """Logical entry width L+R (the stored record may be wider or narrower in bytes)."""
-        if self.cache_format == "fp8_ds_mla":
-            return ds_mla_latent_rank(int(self.blocks.shape[3]), self.rope_dim) + self.rope_dim
+        record = RECORDS.get(self.cache_format)
+        if record is not None:
+            return record.latent_rank(int(self.blocks.shape[3]), self.rope_dim) + self.rope_dim
         return int(self.blocks.shape[3])
 
     @property
@@ -262,7 +265,7 @@ class CacheBatch:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """dtype entries are read in: the storage dtype, or bfloat16 for the fp8 formats."""
+        """dtype entries are read in: the storage dtype, or bfloat16 for the quantised formats."""
         return self.blocks.dtype if self.is_native else torch.bfloat16
 
     # Format-aware access: every backend may use these; native caches can also be indexed directly.
@@ -280,17 +283,18 @@ class CacheBatch:
         if self.cache_format == "fp8_e4m3":
             wide = torch.float64 if dtype == torch.float64 else torch.float32  # fp8 * fp32 scale is exact in float64
             return (stored.to(wide) * self.kv_scale[layer_idx].to(wide)).to(dtype)
-        if self.cache_format == "fp8_ds_mla":
-            return unpack_ds_mla(stored, self.head_dim - self.rope_dim, dtype)
+        record = RECORDS.get(self.cache_format)
+        if record is not None:
+            return record.unpack(stored, self.head_dim - self.rope_dim, dtype)
         return stored.to(dtype)
 
     def write_rows(self, layer_idx: int, rows: torch.Tensor, entries: torch.Tensor) -> None:
-        """Store float ``entries [n, L+R]`` at physical rows, quantising for the fp8 formats."""
+        """Store float ``entries [n, L+R]`` at physical rows, quantising for the quantised formats."""
         flat = self.blocks[layer_idx].view(-1, self.blocks.shape[3])
         if self.cache_format == "fp8_e4m3":
             stored = quantize_e4m3(entries, self.kv_scale[layer_idx])
-        elif self.cache_format == "fp8_ds_mla":
-            stored = pack_ds_mla(entries, self.head_dim - self.rope_dim)
+        elif self.cache_format in RECORDS:
+            stored = RECORDS[self.cache_format].pack(entries, self.head_dim - self.rope_dim)
         else:
             stored = entries.to(flat.dtype)
         rows = rows.to(flat.device).long()
@@ -402,9 +406,11 @@ class PagedLatentCache:
     ) -> None:
         """``dtype``: bfloat16, float16, float32 or float64 (entries stored as is),
         ``torch.float8_e4m3fn`` or ``"fp8_e4m3"`` (entries / ``kv_scale``, one float32 scale per
-        layer), or ``"fp8_ds_mla"`` (DeepSeek-V3.2's 656-byte record for L=512, R=64). ``rope_dim``
-        is R (read by fp8_ds_mla; ``head_dim - rope_dim`` must then be a multiple of 128).
-        Every argument is checked: ``ValueError`` naming it."""
+        layer), or a token-record format: ``"fp8_ds_mla"`` (DeepSeek-V3.2's 656-byte record for L=512,
+        R=64; any L a multiple of 128), ``"nvfp4_ds_mla"`` (432 bytes: FP4 e2m1 latent, an e4m3 scale
+        per 16 values, bf16 rope) or ``"nvfp4_fp8rope"`` (352 bytes: the same latent, e4m3 rope), the
+        NVFP4 ones for L=512, R=64 only (``openmla.nvfp4``). ``rope_dim`` is R (read by the record
+        formats). Every argument is checked: ``ValueError`` naming it."""
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                             ("head_dim", head_dim), ("rope_dim", rope_dim)):
             _positive_int(name, value)
@@ -414,19 +420,19 @@ class PagedLatentCache:
             raise ValueError(f"rope_dim: must be even (RoPE rotates pairs), got {rope_dim}")
         self.page_size = page_size
         self.rope_dim = rope_dim
-        if isinstance(dtype, str) and dtype == "fp8_ds_mla":
-            L = head_dim - rope_dim
-            if L < DS_MLA_GROUP or L % DS_MLA_GROUP:
-                raise ValueError(f"head_dim: fp8_ds_mla needs head_dim - rope_dim (the kv_lora_rank L) a positive multiple of {DS_MLA_GROUP}, "
-                                 f"got {head_dim} - {rope_dim}")
-            self.cache_format, width, storage = "fp8_ds_mla", ds_mla_record_bytes(L, rope_dim), torch.uint8
+        if isinstance(dtype, str) and dtype in RECORDS:
+            record, L = RECORDS[dtype], head_dim - rope_dim
+            why = record.shape_error(L, rope_dim)
+            if why is not None:
+                raise ValueError(f"{why[0]}: {why[1]}")
+            self.cache_format, width, storage = dtype, record.record_bytes(L, rope_dim), torch.uint8
         elif (isinstance(dtype, str) and dtype == "fp8_e4m3") or dtype is FP8:
             self.cache_format, width, storage = "fp8_e4m3", head_dim, FP8
         elif isinstance(dtype, torch.dtype) and dtype in NATIVE_DTYPES:
             self.cache_format, width, storage = "native", head_dim, dtype
         else:
-            raise ValueError(f"dtype: expected one of {[str(d) for d in NATIVE_DTYPES]}, torch.float8_e4m3fn, 'fp8_e4m3' "
-                             f"or 'fp8_ds_mla', got {dtype!r}")
+            raise ValueError(f"dtype: expected one of {[str(d) for d in NATIVE_DTYPES]}, torch.float8_e4m3fn or one of "
+                             f"{list(QUANTIZED_FORMATS)}, got {dtype!r}")
         if isinstance(kv_scale, bool) or not isinstance(kv_scale, numbers.Real) or not (
                 0 < float(torch.tensor(float(kv_scale), dtype=torch.float32)) < math.inf):
             raise ValueError(f"kv_scale: expected a finite float > 0 (in float32), got {kv_scale!r}")
@@ -466,7 +472,8 @@ class PagedLatentCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in one layer: 1152 for bf16 576-wide entries, 576 for fp8_e4m3
-        (plus one 4-byte scale per layer), 656 for fp8_ds_mla."""
+        (plus one 4-byte scale per layer), 656 for fp8_ds_mla, 432 for nvfp4_ds_mla, 352 for
+        nvfp4_fp8rope."""
         return int(self.blocks.shape[3]) * self.blocks.element_size()
 
     @property

@@ -11,7 +11,7 @@ from rich.console import Console
 from . import hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_ds_mla")
+CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope")
 AUTO_DTYPE_HELP = "model dtype (auto: bf16 where this CPU multiplies bf16 at full speed, else fp32)"
 
 console = Console()
@@ -27,5 +27,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def cache_dtype(args: argparse.Namespace) -> str | None:
-    """``--cache-dtype``: ``same`` stores entries in the model dtype (None), else an fp8 format."""
+    """``--cache-dtype``: ``same`` stores entries in the model dtype (None), else a quantised format
+    (fp8, or NVFP4 for L=512, R=64 models; ``openmla.formats``)."""
     return None if args.cache_dtype == "same" else args.cache_dtype

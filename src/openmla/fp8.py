@@ -9,6 +9,7 @@ Two cache formats besides the native one (entries stored in the cache's float dt
   group (``amax / 448``), then the rope part as bfloat16, not quantised.
 
 Attention always computes on dequantised values (bfloat16 matmul inputs, float32 softmax).
+The 4-bit formats are in ``openmla.nvfp4``; ``openmla.formats`` lists every format.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DS_MLA_GROUP = 128  # latent values per scale in fp8_ds_mla
-CACHE_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
+CACHE_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")  # the native and fp8 ones; every format: openmla.formats.CACHE_FORMATS
 
 
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from .cache import CacheBatch, HostLists
-from .fp8 import CACHE_FORMATS, FP8, dequantize_q
+from .formats import CACHE_FORMATS, RECORDS
+from .fp8 import FP8, dequantize_q
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
-STORAGE_DTYPES = {"native": FLOAT_DTYPES, "fp8_e4m3": (FP8,), "fp8_ds_mla": (torch.uint8,)}
+STORAGE_DTYPES = {"native": FLOAT_DTYPES, "fp8_e4m3": (FP8,), **{name: (torch.uint8,) for name in RECORDS}}
 
 
 def check_tensor(
@@ -123,8 +124,10 @@ def check_storage(batch: CacheBatch, device: torch.device | None = None) -> None
     dev = batch.blocks.device
     if fmt == "fp8_e4m3":
         check_tensor("kv_collection.kv_scale", batch.kv_scale, shape=(batch.num_layers,), dtypes=(torch.float32,), device=dev)
-    if fmt == "fp8_ds_mla" and (isinstance(batch.rope_dim, bool) or not isinstance(batch.rope_dim, int) or batch.rope_dim < 2):
-        raise ValueError(f"kv_collection.rope_dim: fp8_ds_mla records need the rope width, got {batch.rope_dim!r}")
+    if fmt in RECORDS and (isinstance(batch.rope_dim, bool) or not isinstance(batch.rope_dim, int) or batch.rope_dim < 2
+                           or not RECORDS[fmt].fits(int(batch.blocks.shape[3]), batch.rope_dim)):
+        raise ValueError(f"kv_collection.rope_dim: {fmt} records of {batch.blocks.shape[3]} bytes need the rope width that splits "
+                         f"them, got {batch.rope_dim!r}")
 
 
 def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheBatch:

@@ -20,13 +20,20 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 import torch
 
 from .. import combine
+from ..formats import CACHE_FORMATS
 
 if TYPE_CHECKING:
     from ..cache import CacheBatch
     from ..chunks import ChunkPlan, ChunkRows, MlaConfigV2
     from ..spec import AttentionSpec
 
-ALL_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
+# Every cache format: what a backend that reads and writes the cache only through CacheBatch
+# (read_rows / read_pages / write_rows, which (de)quantise) declares.
+ALL_FORMATS = CACHE_FORMATS
+# What a backend reads unless it declares otherwise: the formats every kernel in the tree reads
+# natively. A backend with kernels of its own lists what they read; the NVFP4 record formats
+# (openmla.nvfp4) are opted into, never inherited, so no kernel meets a record it does not know.
+FP8_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
 
 
 class PlanView(Protocol):
@@ -52,7 +59,7 @@ class Backend:
     """Subclass, set ``name``, and implement the four kernels; override the rest as needed."""
 
     name: ClassVar[str]
-    cache_formats: ClassVar[tuple[str, ...]] = ALL_FORMATS  # CacheBatch.cache_format values it reads and writes
+    cache_formats: ClassVar[tuple[str, ...]] = FP8_FORMATS  # CacheBatch.cache_format values it reads and writes
     fallback: ClassVar[str | None] = None  # the backend plan() runs instead when supports() declines
 
     @classmethod

@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from .. import reference as ref
-from .base import Backend
+from .base import ALL_FORMATS, Backend
 
 F64 = torch.float64
 
 
 class ReferenceBackend(Backend):
     name = "reference"
+    cache_formats = ALL_FORMATS  # every format: the oracle reads what the cache stores through CacheBatch
 
     def result_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         return F64, F64

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..cache import PagedLatentCache
 from ..config import MLAConfig
+from ..formats import RECORDS
 from .attention import AttachedAttention
 from .checks import check_attention, layer_config
 from .families import Family, family_of
@@ -147,7 +148,8 @@ def attach(
 
     ``num_pages`` x ``page_size`` tokens of latent cache per layer are allocated on the model's
     device. ``cache_dtype``: ``None`` stores entries in the attention weights' dtype, else a float
-    dtype, ``"fp8_e4m3"`` or ``"fp8_ds_mla"`` (see ``PagedLatentCache``). ``backend`` picks the
+    dtype, ``"fp8_e4m3"``, ``"fp8_ds_mla"``, ``"nvfp4_ds_mla"`` or ``"nvfp4_fp8rope"`` (see
+    ``PagedLatentCache``; the NVFP4 records hold L=512, R=64 models only). ``backend`` picks the
     openmla backend (default: automatic per device). Everything is checked before the model is
     changed: a model openmla.hf does not run exactly raises ``ValueError`` and stays as it was.
     """
@@ -156,6 +158,9 @@ def attach(
     family, hf_config, layers, config, rope = _checked(model)
     originals = [layer.self_attn for layer in layers]
     weight = originals[0].kv_b_proj.weight
+    why = RECORDS[cache_dtype].shape_error(config.kv_lora_rank, config.qk_rope_head_dim) if cache_dtype in RECORDS else None
+    if why is not None:  # a record format that cannot hold this model's entries (NVFP4: L=512, R=64 only)
+        raise ValueError(f"cache_dtype: {why[1]}")
     cache = PagedLatentCache(len(layers), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
                              device=weight.device, rope_dim=config.qk_rope_head_dim)
     scale = family.query_scale(hf_config) if family.query_scale is not None else None

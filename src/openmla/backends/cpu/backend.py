@@ -29,7 +29,7 @@ import torch
 
 from ...cache import CacheBatch
 from ...chunks import default_buffer_size
-from ..base import Backend
+from ..base import FP8_FORMATS, Backend
 from . import build, kernels, packed
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ def _heads_native(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
 
 class CpuBackend(Backend):
     name = "cpu"
+    cache_formats = FP8_FORMATS  # its kernels' format codes; NVFP4 records are declined and run on the torch fallback
     fallback = "torch"
 
     @classmethod

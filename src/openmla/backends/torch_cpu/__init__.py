@@ -11,7 +11,7 @@ FP8 caches (``fp8_e4m3``, ``fp8_ds_mla``): the cache write quantises through
 chunk's rows, so extra memory stays bounded by a block or a chunk.
 """
 
-from ..base import Backend
+from ..base import ALL_FORMATS, Backend
 from .cache_write import write_cache
 from .decode import decode
 from .prefill import flare_mla_prefill, prefill
@@ -19,6 +19,7 @@ from .prefill import flare_mla_prefill, prefill
 
 class TorchBackend(Backend):
     name = "torch"
+    cache_formats = ALL_FORMATS  # every format: it reads and writes the cache through CacheBatch, which (de)quantises
 
     def write_cache(self, plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved):
         return write_cache(plan, layer_idx, q, kv, freqs_cis, kv_norm_gamma, epsilon, interleaved)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..base import Backend
+from ..base import FP8_FORMATS, Backend
 from . import _common
 from .cache_write import write_cache as _write_cache
 from .decode import decode_config, decode_into, default_num_splits
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 class TritonBackend(Backend):
     name = "triton"
+    cache_formats = FP8_FORMATS  # what its kernels read; NVFP4 records are declined (no fallback: plan() raises)
 
     def supports(self, plan: "PlanView"):
         if plan.device.type == "cpu" and not _common.INTERPRET:
