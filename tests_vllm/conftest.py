@@ -25,8 +25,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 def generate(spec: dict, tmp_path: Path, *, openmla: bool, env: dict | None = None) -> dict:
     """Run ``generate.py`` on ``spec`` with the plugin opted in (``openmla=True``) or not."""
+    return generate_cases([spec], tmp_path, openmla=openmla, env=env, **{k: spec[k] for k in ("no_amx", "compare_with") if k in spec})[0]
+
+
+def generate_cases(cases: list[dict], tmp_path: Path, *, openmla: bool, env: dict | None = None, **process) -> list[dict]:
+    """Run one engine per case, one after the other in one ``generate.py`` process (vLLM's import
+    once); ``process``: the options that hold for the whole process (``no_amx``, ``compare_with``)."""
     path = tmp_path / f"spec-{openmla}-{len(list(tmp_path.iterdir()))}.json"
-    path.write_text(json.dumps({**spec, "model": str(spec["model"])}))
+    path.write_text(json.dumps({**process, "cases": [{**case, "model": str(case["model"])} for case in cases]}))
     full = {k: v for k, v in os.environ.items() if k not in ("OPENMLA_VLLM", "OPENMLA_BACKEND")}
     full.update(env or {})
     if openmla:
@@ -34,8 +40,7 @@ def generate(spec: dict, tmp_path: Path, *, openmla: bool, env: dict | None = No
     proc = subprocess.run([sys.executable, str(HERE / "generate.py"), str(path)], capture_output=True, text=True,
                           env=full, timeout=TIMEOUT_S, cwd=tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
+    if proc.returncode or len(lines) != len(cases):
         raise AssertionError(f"generate.py failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["announced"] = "serves the MLA attention layers of this process" in proc.stdout + proc.stderr  # openmla's log line
-    return result
+    announce = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "serves the MLA attention layers of this process" in ln]
+    return [{**json.loads(line[len("RESULT "):]), "announced": bool(announce), "announce": announce} for line in lines]

@@ -2,6 +2,9 @@
 is process-wide): ``python generate.py SPEC.json`` prints one JSON line ``RESULT {...}`` with
 the token ids of every round, the prompt tokens each request found in the prefix cache and the
 engine settings that were in force (``amx_bmm``: the decode absorption ran on vLLM's AMX bmm).
+A file ``{"cases": [SPEC, ...], ...}`` runs one engine per case, one after the other in this
+process (importing vLLM takes ~13 s of a 2-core box's time; an engine a few), one RESULT line
+each; its own ``no_amx`` and ``compare_with`` hold for every case.
 
 RESULT also holds ``margins``: per generated token, the log-probability gap between the greedy
 token and the runner-up (vLLM's top-2 logprobs).
@@ -11,11 +14,20 @@ SPEC: ``model`` (a checkpoint folder), ``rounds`` (lists of token-id prompts; ea
 ``max_tokens``, ``engine`` (extra ``LLM`` keywords), ``no_amx`` (hide AMX from vLLM, to take
 its CPU platform's non-AMX path on any machine), ``compare_with`` (an openmla backend name: every
 decode and prefill call of the plugin is also run by that backend on the same plan and cache,
-and RESULT gets the largest relative difference, ``max_rel_err``).
+with the layer's own fp8 scale, and RESULT gets the largest relative difference, ``max_rel_err``),
+``k_scales`` (one fp8 ``k_scale`` per attention layer, set after the engine starts, as a
+checkpoint's scales would be), ``fake_quant`` (``fp8_e4m3`` or ``fp8_ds_mla``: every layer's new
+latents and rope keys are rounded through that fp8 format, here in plain torch, before the
+attention backend sees them, so that vLLM's own backend on its native cache computes on the
+values an fp8 cache stores), ``expect_error`` (the engine is expected to refuse the case: RESULT
+is ``{"error": "<type>: <message>"}``, or ``{"error": null}`` when it did not). RESULT's ``cache`` is
+the first layer's cache tensor: dtype and shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
 import sys
@@ -39,23 +51,62 @@ def compare_with(backend: str) -> None:
     from openmla.integrations.vllm.metadata import layer_blocks
     from openmla.testing import rel_err
 
-    def other(plan, kv_cache):
-        return openmla.plan(plan.batch.with_blocks(layer_blocks(kv_cache)), scale=plan.spec.scale, backend=backend)
+    def other(impl, plan, kv_cache, k_scale):
+        batch = plan.batch.with_blocks(layer_blocks(kv_cache, impl.cache_format))
+        if batch.cache_format == "fp8_e4m3":  # the layer's own scale, not the one the plugin copied for its plans
+            batch = dataclasses.replace(batch, kv_scale=k_scale.reshape(1).clone())
+        return openmla.plan(batch, scale=plan.spec.scale, backend=backend)
 
     mqa, mha = OpenMLAImpl.forward_mqa, OpenMLAImpl.forward_mha
 
     def forward_mqa(self, q, kv_cache, md, layer):
         out, lse = mqa(self, q, kv_cache, md, layer)
         q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
-        ERRORS.append(rel_err(out, other(md.decode_plan, kv_cache).decode(q, 0, kv_lora_rank=self.kv_lora_rank)))
+        want = other(self, md.decode_plan, kv_cache, layer._k_scale).decode(q, 0, kv_lora_rank=self.kv_lora_rank)
+        ERRORS.append(rel_err(out, want))
         return out, lse
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_cache, md, k_scale, output, output_scale=None):
         mha(self, q, kv_c_normed, k_pe, kv_cache, md, k_scale, output, output_scale)
-        want = other(md.prefill_plan, kv_cache).prefill(q, 0, self.w_k, self.w_uv)
+        want = other(self, md.prefill_plan, kv_cache, k_scale).prefill(q, 0, self.w_k, self.w_uv)
         ERRORS.append(rel_err(output.view(want.shape), want))
 
     OpenMLAImpl.forward_mqa, OpenMLAImpl.forward_mha = forward_mqa, forward_mha
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def fp8_round_trip(fmt: str, kv_c: torch.Tensor, k_pe: torch.Tensor, k_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an fp8 cache of format ``fmt`` gives back for ``kv_c [T, L]`` and ``k_pe [T, 1, R]``,
+    written from the format's definition (not openmla's code): fp8_e4m3 stores ``x / k_scale`` as
+    float8_e4m3fn (saturated at +-448); fp8_ds_mla stores the latent as float8_e4m3fn in groups of
+    128 values with one float32 scale ``amax / 448`` each (1 for a group of zeros) and the rope keys
+    as bfloat16."""
+    def e4m3(x, scale):
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+    if fmt == "fp8_e4m3":
+        return e4m3(kv_c, k_scale).to(kv_c.dtype), e4m3(k_pe, k_scale).to(k_pe.dtype)
+    groups = kv_c.float().reshape(kv_c.shape[0], -1, 128)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return e4m3(groups, scales).reshape(kv_c.shape).to(kv_c.dtype), k_pe.to(torch.bfloat16).to(k_pe.dtype)
+
+
+def fake_quant(fmt: str):
+    """Round every MLA layer's new ``kv_c_normed`` and ``k_pe`` through ``fmt`` before its attention
+    (cache write and prefill alike); returns the undo."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    forward = MLAAttention.forward
+
+    def rounded(self, q, kv_c_normed, k_pe, *args, **kwargs):
+        kv_c_normed, k_pe = fp8_round_trip(fmt, kv_c_normed, k_pe, self._k_scale)
+        return forward(self, q, kv_c_normed, k_pe, *args, **kwargs)
+
+    MLAAttention.forward = rounded
+    return lambda: setattr(MLAAttention, "forward", forward)
 
 
 def _margin(step: dict) -> float:
@@ -71,6 +122,24 @@ def main(path: str) -> None:
         torch.cpu._is_amx_tile_supported = lambda: False
     if spec.get("compare_with"):
         compare_with(spec["compare_with"])
+    for case in spec.get("cases", [spec]):
+        ERRORS.clear()
+        undo = fake_quant(case["fake_quant"]) if case.get("fake_quant") else None
+        if case.get("expect_error"):
+            try:
+                run(case)
+                result = dict(error=None)
+            except Exception as e:  # noqa: BLE001  (the refusal is the result)
+                result = dict(error=f"{type(e).__name__}: {e}")
+        else:
+            result = run(case)
+        print("RESULT " + json.dumps(result), flush=True)
+        if undo:
+            undo()
+        gc.collect()  # the engine goes before the next one starts
+
+
+def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -78,6 +147,10 @@ def main(path: str) -> None:
                   enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0)
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
+    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    layers = [layer for layer in context.values() if hasattr(layer, "kv_cache") and hasattr(layer, "impl")]  # attention layers
+    for layer, k_scale in zip(layers, spec.get("k_scales", [])):
+        layer._k_scale.fill_(k_scale)
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=2)
     rounds, cached, margins = [], [], []
@@ -88,15 +161,15 @@ def main(path: str) -> None:
         margins.append([[_margin(step) for step in (o.outputs[0].logprobs or [])] for o in outs])
     t2 = time.perf_counter()
     cfg = llm.llm_engine.vllm_config
-    layer = next(iter(cfg.compilation_config.static_forward_context.values()))  # the first attention layer
+    layer = layers[0]  # the first attention layer
     impl = type(layer.impl)
-    print("RESULT " + json.dumps(dict(
+    return dict(
         tokens=rounds, margins=margins, cached_tokens=cached, block_size=cfg.cache_config.block_size,
         chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
-        amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
+        amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)), cache=[str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
-        max_rel_err=max(ERRORS, default=None))), flush=True)
+        max_rel_err=max(ERRORS, default=None))
 
 
 if __name__ == "__main__":

@@ -71,3 +71,38 @@ def test_opt_in_leaves_other_platforms_alone(monkeypatch):
     plugin.register()  # on CUDA the backend is chosen by name, never by taking a slot
     assert not AttentionBackendEnum.CPU_MLA.is_overridden() and not AttentionBackendEnum.AMX_MLA.is_overridden()
     assert AttentionBackendEnum["OPENMLA"].get_path() == OURS
+
+
+def test_backend_declares_the_cache_dtypes_it_serves():
+    from openmla.integrations.vllm.backend import OpenMLABackend
+    from openmla.integrations.vllm.metadata import cache_format
+
+    assert OpenMLABackend.supported_kv_cache_dtypes == ["auto", "fp8", "fp8_e4m3", "fp8_ds_mla"]
+    assert [cache_format(d) for d in OpenMLABackend.supported_kv_cache_dtypes] == ["native", "fp8_e4m3", "fp8_e4m3", "fp8_ds_mla"]
+    for other in ("fp8_e5m2", "fp8_inc", "nvfp4_ds_mla", "bfloat16"):
+        with pytest.raises(NotImplementedError, match=rf"kv_cache_dtype='{other}' is not served; it serves 'auto'"):
+            cache_format(other)
+
+
+def test_fp8_caches_are_viewed_in_place():
+    """vLLM allocates fp8 caches as uint8: openmla's blocks are views of the same bytes."""
+    import torch
+
+    from openmla.integrations.vllm.metadata import layer_blocks
+
+    cache = torch.zeros(3, 16, 576, dtype=torch.uint8)
+    fp8 = layer_blocks(cache, "fp8_e4m3")
+    assert fp8.dtype == torch.float8_e4m3fn and fp8.shape == (1, 3, 16, 576) and fp8.data_ptr() == cache.data_ptr()
+    assert layer_blocks(cache.view(torch.float8_e4m3fn), "fp8_e4m3").data_ptr() == cache.data_ptr()  # as forward_mqa gets it
+    records = torch.zeros(3, 16, 656, dtype=torch.uint8)
+    assert layer_blocks(records, "fp8_ds_mla").data_ptr() == records.data_ptr()
+
+
+def test_fp8_ds_mla_only_where_vllms_656_byte_record_fits():
+    from openmla.integrations.vllm.impl import _check_ds_mla
+
+    _check_ds_mla(512, 64)  # DeepSeek, Kimi K2, GLM-4.7-Flash
+    with pytest.raises(NotImplementedError, match="kv_lora_rank 256 and rope 32 \\(328-byte records\\)"):
+        _check_ds_mla(256, 32)  # MiniCPM3
+    with pytest.raises(NotImplementedError, match="no whole 128-value groups"):
+        _check_ds_mla(320, 64)

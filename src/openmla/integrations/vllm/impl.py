@@ -5,7 +5,11 @@ vLLM's ``MLAAttention`` layer does the projections, the kv RMSNorm and RoPE, the
 the prefill tokens (roped q, up-projected form over the cached prefix and the new tokens) and
 ``forward_mqa`` for the decode tokens (q already absorbed by vLLM, which also applies W_UV to
 the latent output). Each runs the plan the metadata builder made for the step over this
-layer's own cache tensor.
+layer's own cache tensor, in the format vLLM's ``kv_cache_dtype`` names (``metadata.py``): the
+native cache, ``fp8_e4m3`` (``fp8`` / ``fp8_e4m3``: entries / the layer's ``k_scale``, quantised on
+write, dequantised by openmla's kernels on read) or ``fp8_ds_mla``; q stays in the model dtype.
+Before each attention call of an fp8_e4m3 layer, the layer's ``k_scale`` is copied into the
+float32 ``[1]`` scale the step's plans read (4 bytes; layers may have their own scales).
 
 The decode form's absorption (q x W_UK) and output projection (x W_UV) are vLLM's, outside
 the backend. On a CPU with AMX and a bfloat16 model the impl opts into vLLM's AMX batched GEMM
@@ -26,9 +30,12 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 from vllm.v1.attention.backend import AttentionType
 
-from openmla import CacheBatch
+from openmla import CacheBatch, MLAPlan
+from openmla.fp8 import ds_mla_record_bytes
 
-from .metadata import OpenMLAMetadata, layer_blocks
+from .metadata import OpenMLAMetadata, cache_format, layer_blocks
+
+VLLM_DS_MLA_BYTES = 656  # the fp8_ds_mla record vLLM allocates (MLAAttention.get_kv_cache_spec), whatever L and R
 
 logger = logging.getLogger("vllm.openmla")  # a child of vLLM's logger: printed with vLLM's own lines
 _announced: list[bool] = []
@@ -46,7 +53,10 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
             raise NotImplementedError("openmla's vLLM backend: alibi slopes, sliding windows and logit soft caps are not supported")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"openmla's vLLM backend serves decoder self-attention only, not {attn_type}")
-        self.supports_quant_query_input = False  # q stays in the model dtype (native cache only)
+        self.cache_format = cache_format(kv_cache_dtype)  # NotImplementedError for a dtype openmla does not serve
+        if self.cache_format == "fp8_ds_mla":
+            _check_ds_mla(self.kv_lora_rank, self.qk_rope_head_dim)
+        self.supports_quant_query_input = False  # q stays in the model dtype; openmla dequantises fp8 caches itself
         self.w_k: torch.Tensor | None = None  # [H*Dn, L], the prefill K up-projection
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
         self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
@@ -54,7 +64,7 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         # and W_UV, against the packed weights that process_weights_after_loading makes.
         self.uses_amx_bmm = _amx_bmm_available(_model_dtype())
         self._w_uk_packed = self._w_uv_packed = self._w_scale = None
-        _announce(self.uses_amx_bmm)
+        _announce(self.uses_amx_bmm, self.cache_format, kv_cache_dtype)
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False  # forward_mha writes the model dtype
@@ -83,23 +93,35 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         keep = rows >= 0
         if not bool(keep.all()):
             rows, entries = rows[keep], entries[keep]
-        self._view(kv_cache).write_rows(0, rows, entries)
+        self._view(kv_cache, k_scale).write_rows(0, rows, entries)
 
-    def _view(self, kv_cache: torch.Tensor) -> CacheBatch:
-        """The layer's cache as a sequence-less ``CacheBatch``, for its format-aware ``write_rows``."""
+    def _view(self, kv_cache: torch.Tensor, k_scale: torch.Tensor) -> CacheBatch:
+        """The layer's cache as a sequence-less ``CacheBatch`` (with the layer's own ``k_scale`` for
+        fp8_e4m3), for its format-aware ``write_rows``: it quantises as the format says."""
         view = self._write_view
-        if view is None or view.blocks.data_ptr() != kv_cache.data_ptr() or view.blocks.shape[1:] != kv_cache.shape:
+        scale = _scale_vector(k_scale) if self.cache_format == "fp8_e4m3" else None
+        if (view is None or view.blocks.data_ptr() != kv_cache.data_ptr() or view.blocks.shape[1:] != kv_cache.shape
+                or (scale is not None and view.kv_scale.data_ptr() != scale.data_ptr())):
             empty = torch.zeros(0, dtype=torch.int32, device=kv_cache.device)
-            view = CacheBatch(layer_blocks(kv_cache), empty.view(0, 0), empty, torch.zeros(1, dtype=torch.int32, device=kv_cache.device),
-                              page_size=int(kv_cache.shape[1]))
+            view = CacheBatch(layer_blocks(kv_cache, self.cache_format), empty.view(0, 0), empty,
+                              torch.zeros(1, dtype=torch.int32, device=kv_cache.device), page_size=int(kv_cache.shape[1]),
+                              cache_format=self.cache_format, kv_scale=scale,
+                              rope_dim=self.qk_rope_head_dim if self.cache_format == "fp8_ds_mla" else None)
             self._write_view = view
         return view
+
+    def layer_plan(self, plan: MLAPlan, kv_cache: torch.Tensor, k_scale: torch.Tensor) -> MLAPlan:
+        """The step's ``plan`` over this layer's cache tensor, reading this layer's fp8 scale."""
+        plan = plan.with_blocks(layer_blocks(kv_cache, self.cache_format))
+        if self.cache_format == "fp8_e4m3":
+            plan.batch.kv_scale.copy_(k_scale.reshape(1))  # the builder's shared [1] scale (see metadata.py)
+        return plan
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: OpenMLAMetadata, layer):
         """Decode tokens: absorbed ``q [T, H, L+R]`` (or its two parts) -> ``([T, H, L], lse [T, H])``."""
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
-        plan = attn_metadata.decode_plan.with_blocks(layer_blocks(kv_c_and_k_pe_cache))
+        plan = self.layer_plan(attn_metadata.decode_plan, kv_c_and_k_pe_cache, layer._k_scale)
         return plan.decode(q, 0, kv_lora_rank=self.kv_lora_rank, return_lse=True)
 
     def forward_mha(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor,
@@ -109,9 +131,30 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         tokens (already in the cache) -> ``output [T, H*Dv]``."""
         if output_scale is not None:
             raise NotImplementedError("openmla's vLLM backend: fused output quantization is not supported")
-        plan = attn_metadata.prefill_plan.with_blocks(layer_blocks(kv_c_and_k_pe_cache))
+        plan = self.layer_plan(attn_metadata.prefill_plan, kv_c_and_k_pe_cache, k_scale)
         out = plan.prefill(q, 0, self.w_k, self.w_uv)
         output.view(out.shape).copy_(out)
+
+
+def _scale_vector(k_scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-tensor ``k_scale`` (a float32 scalar tensor of the layer) as the ``[1]`` view a
+    one-layer ``CacheBatch`` takes (no copy: a scale vLLM loads later is seen)."""
+    if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32 or k_scale.numel() != 1:
+        raise NotImplementedError(f"openmla's vLLM backend: an fp8 cache needs one float32 k_scale per layer, got {k_scale!r}")
+    return k_scale.reshape(1)
+
+
+def _check_ds_mla(kv_lora_rank: int, rope_dim: int) -> None:
+    """fp8_ds_mla is served where openmla's record for (L, R) is the 656 bytes vLLM allocates."""
+    try:
+        width = ds_mla_record_bytes(kv_lora_rank, rope_dim)
+    except ValueError:
+        width = None
+    if width != VLLM_DS_MLA_BYTES:
+        raise NotImplementedError(
+            f"openmla's vLLM backend: kv_cache_dtype='fp8_ds_mla' is DeepSeek's {VLLM_DS_MLA_BYTES}-byte record (vLLM allocates it "
+            f"for kv_lora_rank 512 and rope 64); this model has kv_lora_rank {kv_lora_rank} and rope {rope_dim} "
+            f"({'no whole 128-value groups' if width is None else f'{width}-byte records'}): use kv_cache_dtype='fp8' or 'auto'")
 
 
 def _model_dtype() -> torch.dtype | None:
@@ -132,8 +175,8 @@ def _amx_bmm_available(dtype: torch.dtype | None) -> bool:
             and hasattr(ops, "convert_weight_packed") and hasattr(ops, "bmm_cpu"))
 
 
-def _announce(amx_bmm: bool) -> None:
-    """One log line per process: openmla serves the MLA layers, on which of its backends."""
+def _announce(amx_bmm: bool, fmt: str, kv_cache_dtype: str) -> None:
+    """One log line per process: openmla serves the MLA layers, on which of its backends, with which cache."""
     if _announced:
         return
     _announced.append(True)
@@ -144,4 +187,5 @@ def _announce(amx_bmm: bool) -> None:
 
     kernels = resolve_backend_name(None, torch.device("cpu" if current_platform.is_cpu() else "cuda"))
     logger.info("openmla %s serves the MLA attention layers of this process (kernels: openmla's %s backend; "
-                "absorption and output projection: %s)", __version__, kernels, "vLLM's AMX bmm" if amx_bmm else "torch.bmm")
+                "KV cache: openmla's %s format (kv_cache_dtype=%s); absorption and output projection: %s)",
+                __version__, kernels, fmt, kv_cache_dtype, "vLLM's AMX bmm" if amx_bmm else "torch.bmm")
