@@ -23,9 +23,10 @@ group-16 scales + 16 B alignment pad + 128 B BF16 RoPE; ``concat_and_cache_nvfp4
 1.0, the ``scale`` argument unused; the pad zeroed) and its writer kernel
 ``concat_and_cache_nvfp4_mla_kernel`` as stored for ``csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu``
 of local-inference-lab/vllm (commit 7424d54d229e; the PR's own branch is not in the fetched snapshot,
-whose branches are main and three dev/ branches; a standalone registration of the same kernel checks
-``kv_lora_rank == 512``, ``pe_dim == 64``, 432-byte entries): ``kNopeBytes = 256``, ``kScaleBytes =
-32``, ``kPadBytes = 16``, rope at ``kRopeOffset = 304`` in the input dtype (bf16 for DeepSeek), group
+whose branches are main and three dev/ branches; a standalone torch-extension registration of the
+same kernel checks ``kv_lora_rank == 512``, ``pe_dim == 64``, 432-byte entries): ``kNopeBytes = 256``,
+``kScaleBytes = 32``, ``kPadBytes = 16``, rope at ``kRopeOffset = 304`` in the input dtype (bf16 for
+DeepSeek; openmla always stores bf16, also under a float16 model), group
 ``g``'s 8 data bytes at ``8g`` stored as one little-endian uint64 ``(hi << 32) | lo`` and its scale
 byte at ``256 + g``. The quantisation and the nibble order are vLLM's ``cvt_warp_fp16_to_fp4`` with
 ``SFScaleVal = 1.0`` and ``fp32_vec16_to_e2m1`` (``csrc/libtorch_stable/quantization/fp4/nvfp4_utils.cuh``,
@@ -35,7 +36,9 @@ local-inference-lab/vllm main at 28be48fa9): ``SFValue = vecMax * rcp.approx(6)`
 first source in the high nibble, so element ``2k`` is the low nibble of byte ``k``, bytes in element
 order. Differences, stated: the CUDA writer multiplies by ``rcp.approx.ftz`` reciprocals (at most 1 ulp
 from the correctly rounded ones used here), so a value lying within an ulp of an e2m1 or e4m3
-rounding midpoint may land one step apart; the layout and every other byte are the same.
+rounding midpoint may land one step apart; and it quantises the model-dtype (bf16) latent, where
+openmla's cache write quantises the float32 RMSNorm output (as it does for fp8_ds_mla). The layout
+and the recipe are the same.
 
 ``nvfp4_fp8rope`` (352 bytes): vllm-project/FlashMLA pull request 18's ``nvfp4.fp8rope`` record
 (vLLM names it ``nvfp4_fp8_ds_mla``, vllm-project/vllm pull request 51724), byte for byte.
