@@ -156,7 +156,12 @@ def run_demo(
         sent = grid.stats.bytes_sent if grid is not None else 0
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = layer(hidden, batch)
+            if grid is None:  # plan here, to report the backend that ran (a declined one falls back)
+                plan = layer.plan(batch)
+                report.backend = plan.backend_name if plan.fallback_reason is None else f"{plan.backend_name} ({plan.fallback_reason})"
+                out = layer(hidden, plan)
+            else:
+                out = layer(hidden, batch)
         dt = time.perf_counter() - t0
         sent = grid.stats.bytes_sent - sent if grid is not None else 0
         report.peak_pages = max(report.peak_pages, cache.pages_in_use)
