@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from models import deepseek_v2, deepseek_v3, save_model
+from models import deepseek_v2, deepseek_v3, glm4_7_flash, kimi_k2, minicpm3, save_model
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 900  # one engine start and a few hundred tokens; minutes only on a loaded 2-core box
@@ -23,6 +23,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {"v2": save_model(deepseek_v2(), root / "v2"), "v3": save_model(deepseek_v3(), root / "v3")}
 
 
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The other MLA families vLLM serves: Kimi K2, GLM-4.7-Flash and MiniCPM3 shaped."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: save_model(build(), root / name) for name, build in
+            (("kimi_k2", kimi_k2), ("glm4_7_flash", glm4_7_flash), ("minicpm3", minicpm3))}
+
+
 def generate(spec: dict, tmp_path: Path, *, openmla: bool, env: dict | None = None) -> dict:
     """Run ``generate.py`` on ``spec`` with the plugin opted in (``openmla=True``) or not."""
     return generate_cases([spec], tmp_path, openmla=openmla, env=env, **{k: spec[k] for k in ("no_amx", "compare_with") if k in spec})[0]
@@ -30,7 +38,12 @@ def generate(spec: dict, tmp_path: Path, *, openmla: bool, env: dict | None = No
 
 def generate_cases(cases: list[dict], tmp_path: Path, *, openmla: bool, env: dict | None = None, **process) -> list[dict]:
     """Run one engine per case, one after the other in one ``generate.py`` process (vLLM's import
-    once); ``process``: the options that hold for the whole process (``no_amx``, ``compare_with``)."""
+    once); ``process``: the options that hold for the whole process (``no_amx``, ``compare_with``).
+    vLLM's own runs (``openmla=False``) turn vLLM's CPU rotary op off, as the plugin does, unless a
+    case says ``native_rope=False``: the op rotates MLA queries wrong (cpu_platform.py), and the
+    tests compare attention backends on the same, right, queries."""
+    if not openmla:
+        cases = [{"native_rope": True, **case} for case in cases]
     path = tmp_path / f"spec-{openmla}-{len(list(tmp_path.iterdir()))}.json"
     path.write_text(json.dumps({**process, "cases": [{**case, "model": str(case["model"])} for case in cases]}))
     full = {k: v for k, v in os.environ.items() if k not in ("OPENMLA_VLLM", "OPENMLA_BACKEND")}

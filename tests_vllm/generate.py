@@ -19,7 +19,9 @@ with the layer's own fp8 scale, and RESULT gets the largest relative difference,
 checkpoint's scales would be), ``fake_quant`` (``fp8_e4m3`` or ``fp8_ds_mla``: every layer's new
 latents and rope keys are rounded through that fp8 format, here in plain torch, before the
 attention backend sees them, so that vLLM's own backend on its native cache computes on the
-values an fp8 cache stores), ``expect_error`` (the engine is expected to refuse the case: RESULT
+values an fp8 cache stores), ``native_rope`` (turn vLLM's CPU rotary op off, as the plugin does for MLA models: the op
+rotates an MLA query's rope part at the wrong positions, see cpu_platform.py; RESULT's
+``native_rope`` says that the op did not run), ``expect_error`` (the engine is expected to refuse the case: RESULT
 is ``{"error": "<type>: <message>"}``, or ``{"error": null}`` when it did not). RESULT's ``cache`` is
 the first layer's cache tensor: dtype and shape.
 """
@@ -145,6 +147,8 @@ def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     engine = dict(dtype=spec.get("dtype", ENGINE_DTYPE), enforce_eager=True, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
                   enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0)
+    if spec.get("native_rope"):
+        engine["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     engine.update(spec.get("engine", {}))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
     context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
@@ -167,7 +171,8 @@ def run(spec: dict) -> dict:
         tokens=rounds, margins=margins, cached_tokens=cached, block_size=cfg.cache_config.block_size,
         chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
-        amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)), cache=[str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
+        amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
+        native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops, cache=[str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
         max_rel_err=max(ERRORS, default=None))
 

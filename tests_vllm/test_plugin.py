@@ -106,3 +106,34 @@ def test_fp8_ds_mla_only_where_vllms_656_byte_record_fits():
         _check_ds_mla(256, 32)  # MiniCPM3
     with pytest.raises(NotImplementedError, match="no whole 128-value groups"):
         _check_ds_mla(320, 64)
+
+
+def test_opt_in_turns_vllms_cpu_rotary_op_off(caplog):
+    """vLLM's CPU rotary_embedding op rotates an MLA query's [T, H, R] rope part at the wrong
+    positions (cpu_platform.py): the plugin turns it off for MLA models, unless the user turned it on."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from openmla.integrations.vllm.cpu_platform import native_rope
+
+    config = SimpleNamespace(custom_ops=["all"])
+    native_rope(config)
+    native_rope(config)
+    assert config.custom_ops == ["all", "-rotary_embedding"]
+    kept = SimpleNamespace(custom_ops=["all", "+rotary_embedding"])
+    native_rope(kept)
+    assert kept.custom_ops == ["all", "+rotary_embedding"] and "wrong positions" in caplog.text
+
+    # What the op does with MLA's query view (vLLM 0.32): wrong, where its PyTorch code is right.
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=64, is_neox_style=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    torch.manual_seed(0)
+    q = torch.randn(5, 4, 128 + 64)  # [T, H, Dn + R]
+    positions = torch.tensor([0, 1, 2, 0, 1])  # two sequences
+    want, _ = rope.forward_native(positions, q[..., 128:].clone(), None)
+    got, _ = rope.forward_cpu(positions, q.clone()[..., 128:], None)
+    assert torch.allclose(want[0, 0], got[0, 0]) and not torch.allclose(want, got)

@@ -45,6 +45,12 @@ class OpenMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     decode_plan: MLAPlan | None = None  # the first num_decodes requests
     prefill_plan: MLAPlan | None = None  # the other num_prefills requests
 
+    def __post_init__(self) -> None:
+        """No head-size check. vLLM's MLA metadata accepts only its own kernels' entry widths (320,
+        512, 576) and, under its Transformers modeling backend, checks ``get_head_size()``, which is
+        not L+R for a model outside vLLM's DeepSeek-MLA list (MiniCPM3: 32). openmla serves other
+        widths (MiniCPM3's 256 + 32) and checks the cache entry width itself when it plans."""
+
 
 def cache_format(kv_cache_dtype: str) -> str:
     """openmla's cache format for vLLM's ``kv_cache_dtype``; ``NotImplementedError`` naming the
