@@ -12,6 +12,9 @@ A record format packs each token's ``L+R`` entry into one uint8 row of a fixed w
 reads ``L`` back from that width and the rope width R (``latent_rank``), and refuses shapes the
 format cannot hold (``shape_error`` names the argument). Writes quantise (``pack``), reads
 dequantise (``unpack``) row by row, so a read never mixes two tokens' bytes.
+
+DeepSeek-V4's 512-value entries have their own FP8 form, laid out per page rather than per token
+(584 bytes per token, FlashMLA's ``MODEL1_FP8Sparse``): ``openmla.fp8_v4``.
 """
 
 from __future__ import annotations
