@@ -25,3 +25,18 @@ def test_bench_writes_json_and_png(tmp_path, capsys):
     impls = {r["impl"] for r in data["rows"]}
     assert {"openmla", "eager"} <= impls and all(r["seconds"] > 0 for r in data["rows"])
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_accuracy_measures_each_format_against_float64_and_bf16(tmp_path, capsys):
+    out = tmp_path / "acc"
+    args = ["accuracy", "--formats", "fp8_ds_mla,nvfp4_fp8rope", "--contexts", "96", "--seeds", "0", "--batch", "1",
+            "--queries", "2", "--heads", "2", "--model-tokens", "4", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "acc.json").read_text())
+    assert result["formats"] == ["bf16", "fp8_ds_mla", "nvfp4_fp8rope"]  # bf16 always: the baseline
+    err = {f: result["attention"]["all"][f]["rel_f64"]["median"] for f in result["formats"]}
+    assert 0 < err["bf16"] < err["fp8_ds_mla"] < err["nvfp4_fp8rope"] < 1  # fewer bits, larger error
+    assert result["attention"]["all"]["bf16"]["rel_bf16"]["max"] == 0
+    assert set(result["model"]["formats"]) == {"fp32", "bf16", "fp8_ds_mla", "nvfp4_fp8rope"}
+    assert "| nvfp4_fp8rope | 352 |" in (tmp_path / "acc.md").read_text()
+    assert main(["accuracy", "--formats", "fp6"]) == 2 and "formats: unknown ['fp6']" in capsys.readouterr().out

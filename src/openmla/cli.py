@@ -161,6 +161,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# accuracy ----------------------------------------------------------------------------
+def cmd_accuracy(args: argparse.Namespace) -> int:
+    from .accuracy import run
+
+    run(args, log=lambda s: console.print(s, highlight=False, markup=False, soft_wrap=True))
+    return 0
+
+
 # build -------------------------------------------------------------------------------
 def cmd_build(args: argparse.Namespace) -> int:
     import time
@@ -229,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", default=None, choices=["cpu", "torch", "triton"])
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=cmd_check)
+
+    a = sub.add_parser("accuracy", help="what each latent-cache format costs in accuracy: attention errors, a tiny model's KL")
+    from .accuracy import add_arguments as add_accuracy_arguments
+
+    add_accuracy_arguments(a)
+    a.set_defaults(func=cmd_accuracy)
 
     k = sub.add_parser("build", help="compile the native CPU kernels now (otherwise on first use)")
     k.add_argument("--verbose", action="store_true", help="show the compiler's output")
