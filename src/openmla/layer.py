@@ -170,7 +170,11 @@ class LatentAttention(nn.Module):
     def _refresh_weights(self) -> None:
         """``weights``: the layer's ``LayerWeights`` over its current tensors (after a split or a move)."""
         c = self.config
-        self.weights = LayerWeights(self.kv_a_layernorm.weight, self.w_k, self.w_uk, self.w_uv, c.rms_norm_eps, c.rope_interleave)
+        self.weights = LayerWeights(self.latent_gamma(), self.w_k, self.w_uk, self.w_uv, c.rms_norm_eps, c.rope_interleave)
+
+    def latent_gamma(self) -> torch.Tensor:
+        """The weight the cache write multiplies the RMS-normed latent by: ``kv_a_layernorm``'s."""
+        return self.kv_a_layernorm.weight
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the tensors are new objects
         out = super()._apply(fn, recurse)

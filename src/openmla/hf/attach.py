@@ -3,9 +3,9 @@
 ``attach`` accepts only the model classes of a known family (``openmla.hf.families``) and checks
 every layer's attention module and the config against what that family's flags reproduce; any
 difference is a ``ValueError`` naming the class and the feature, raised before the model is
-changed. After ``attach(model, num_pages=...)`` each decoder layer's ``self_attn`` is an
-``AttachedAttention`` sharing the module's own submodules, and one ``PagedLatentCache`` serves all
-layers. Embeddings, norms, MLP / MoE and ``lm_head`` stay transformers' code. The text model's
+changed. After ``attach(model, num_pages=...)`` each decoder layer's ``self_attn`` (each entry of
+it, for a family with several MLA blocks per layer) is an ``AttachedAttention`` sharing the module's
+own submodules, and one ``PagedLatentCache`` serves all of them, one cache layer each. Embeddings, norms, MLP / MoE and ``lm_head`` stay transformers' code. The text model's
 attention implementation is switched to ``"openmla"`` (registered with transformers'
 ``AttentionInterface``); transformers has no mask function under that name, so it builds no
 attention mask (no ``[T, T]`` tensor for a packed step). ``detach(model)`` puts the original
@@ -72,6 +72,22 @@ def decoder_layers(model: nn.Module, family: Family | None = None) -> nn.ModuleL
     return layers
 
 
+def attention_slots(layers: nn.ModuleList, family: Family) -> list[tuple[nn.Module, str, str]]:
+    """``(parent, attribute, where)`` of every MLA attention module, in cache-layer order: each decoder
+    layer's ``self_attn``, or its ``family.sublayers`` entries where ``self_attn`` is a ``ModuleList``."""
+    slots = []
+    for i, layer in enumerate(layers):
+        where = f"{family.decoder}.layers.{i}.self_attn"
+        if family.sublayers == 1:
+            slots.append((layer, "self_attn", where))
+            continue
+        blocks = getattr(layer, "self_attn", None)
+        if not isinstance(blocks, nn.ModuleList) or len(blocks) != family.sublayers:
+            raise ValueError(f"{where} is a {type(blocks).__name__}, not a ModuleList of {family.sublayers} MLA modules")
+        slots += [(blocks, str(j), f"{where}.{j}") for j in range(family.sublayers)]
+    return slots
+
+
 def attachment(model: nn.Module) -> Attachment:
     """The ``Attachment`` of an attached model; ``ValueError`` when it is not attached."""
     found = getattr(model, _ATTR, None)
@@ -111,8 +127,9 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple[Any, nn.Modul
         problem = check(hf_config)
         if problem is not None:
             raise ValueError(f"{problem}; openmla.hf does not reproduce it")
-    originals = [getattr(layer, "self_attn", None) for layer in layers]
-    where = [f"{family.decoder}.layers.{i}.self_attn" for i in range(len(layers))]
+    slots = attention_slots(layers, family)
+    originals = [getattr(parent, name, None) for parent, name, _ in slots]
+    where = [at for _, _, at in slots]
     for module, at in zip(originals, where):
         if not isinstance(module, nn.Module) or not isinstance(getattr(module, "kv_b_proj", None), nn.Module):
             raise ValueError(f"{at} is a {type(module).__name__}, not one MLA attention module")
@@ -156,12 +173,13 @@ def attach(
     if is_attached(model):
         raise ValueError("model: already attached; call openmla.hf.detach(model) first")
     family, hf_config, layers, config, rope = _checked(model)
-    originals = [layer.self_attn for layer in layers]
+    slots = attention_slots(layers, family)
+    originals = [getattr(parent, name) for parent, name, _ in slots]
     weight = originals[0].kv_b_proj.weight
     why = RECORDS[cache_dtype].shape_error(config.kv_lora_rank, config.qk_rope_head_dim) if cache_dtype in RECORDS else None
     if why is not None:  # a record format that cannot hold this model's entries (NVFP4: L=512, R=64 only)
         raise ValueError(f"cache_dtype: {why[1]}")
-    cache = PagedLatentCache(len(layers), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
+    cache = PagedLatentCache(len(originals), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
                              device=weight.device, rope_dim=config.qk_rope_head_dim)
     scale = family.query_scale(hf_config) if family.query_scale is not None else None
     clock = AttentionClock(weight.device)
@@ -184,8 +202,8 @@ def attach(
     _set_attn_implementation(model, family, ATTN_IMPLEMENTATION)
     if text._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"model: {type(model).__name__} does not accept a custom attention implementation")
-    for layer, module in zip(layers, attached):
-        layer.self_attn = module
+    for (parent, name, _), module in zip(slots, attached):
+        setattr(parent, name, module)
     setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
                                      family, int(hf_config.vocab_size), rope, clock))
     return cache
@@ -194,8 +212,8 @@ def attach(
 def detach(model: nn.Module) -> None:
     """Undo ``attach``: the original attention modules and attention implementation come back."""
     state = attachment(model)
-    for layer, module in zip(decoder_layers(model, state.family), state.originals):
-        layer.self_attn = module
+    for (parent, name, _), module in zip(attention_slots(decoder_layers(model, state.family), state.family), state.originals):
+        setattr(parent, name, module)
     if state.previous_attn_implementation is not None:
         _set_attn_implementation(model, state.family, state.previous_attn_implementation)
     delattr(model, _ATTR)

@@ -40,6 +40,15 @@ class AttachedAttention(LatentAttention):
     rows of the attachment's store), or reuses the previous layer's picks, and attends to those only."""
 
     index_keys: torch.Tensor | None = None
+    q_factor: float | None = None  # a constant factor on the whole query (Family.lora_scales)
+    latent_factor: float | None = None  # and on the normed latent: the cache write's gamma carries it
+
+    def latent_gamma(self) -> torch.Tensor:
+        gamma = self.kv_a_layernorm.weight
+        if self.latent_factor is None:
+            return gamma
+        with torch.no_grad():
+            return gamma.detach() * self.latent_factor
 
     @classmethod
     def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, family: Family, rope: RopeTable,
@@ -58,6 +67,8 @@ class AttachedAttention(LatentAttention):
             setattr(layer, name, param)
         layer.indexer = getattr(module, "indexer", None)
         layer.family, layer.rope, layer.clock, layer.query_scale = family, rope, clock, query_scale
+        if family.lora_scales:  # LongCat-Flash: constant factors on the query and on the normed latent
+            layer.q_factor, layer.latent_factor = float(module.mla_scale_q_lora), float(module.mla_scale_kv_lora)
         layer.freqs_cis = None  # the rope comes from ``rope``, the model's own table
         layer.split_kv_b()  # weights (w_k, w_uk, w_uv) become real tensors, derived from the adopted kv_b_proj
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
@@ -115,6 +126,8 @@ class AttachedAttention(LatentAttention):
                 gate = self.gate_proj(hidden).view(T, H, c.v_head_dim)
         if self.query_scale is not None:  # a factor per token on the whole query (rope is linear: before or after it)
             q = q * self.query_scale(step.token_pos)[:, None, None].to(q.dtype)
+        if self.q_factor is not None:
+            q = q * self.q_factor
         return q, q_resid, gate
 
     def _pick(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, kwargs: dict) -> torch.Tensor:

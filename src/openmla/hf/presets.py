@@ -43,6 +43,10 @@ PRESETS: dict[str, Preset] = {
     "axk2": Preset("AXK2ForCausalLM", "AXK2Config", dict(gated_norm_rank=8), topk=True),
     "glm_moe_dsa": Preset("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", dict(first_k_dense_replace=1), topk=True),
     "hy_v4": Preset("HYV4ForCausalLM", "HYV4Config", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
+    # num_hidden_layers counts MLA blocks (2 per decoder layer); its own MoE with zero experts
+    "longcat_flash": Preset("LongcatFlashForCausalLM", "LongcatFlashConfig",
+                            dict(num_hidden_layers=4, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4,
+                                 zero_expert_num=2, moe_topk=2), moe=False),
 }
 
 _SIZES = {

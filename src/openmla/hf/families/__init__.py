@@ -13,6 +13,7 @@ from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
 from .family import Family, IndexerSpec
 from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
 from .hunyuan import HY_V4
+from .longcat import LONGCAT_FLASH
 from .minicpm3 import MINICPM3
 from .mistral4 import MISTRAL4
 from .refused import REFUSED, Refused
@@ -20,7 +21,7 @@ from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
-    HY_V4,
+    HY_V4, LONGCAT_FLASH,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 

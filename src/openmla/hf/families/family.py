@@ -59,6 +59,10 @@ class Family:
     - ``sinks``: a per-head ``sinks`` parameter (one extra logit in each softmax);
     - ``indexer``: the top-k indexer's form (None: dense attention); ``shared_topk``: layers without
       an indexer reuse the previous layer's picks (the attention returns them as a third value);
+    - ``sublayers``: MLA attention modules per decoder layer; above 1, ``self_attn`` is a ``ModuleList``
+      of that many (LongCat-Flash: 2), each its own cache layer, in order;
+    - ``lora_scales``: the module's ``mla_scale_q_lora`` multiplies the whole query and
+      ``mla_scale_kv_lora`` the normed latent (LongCat-Flash);
     - ``extra_modules``: submodules beyond the MLA projections that the flags account for;
     - ``config_checks``: further checks of the config (allow-list of what the flags reproduce);
     - ``example``: a checkpoint of the family, for ``openmla models``.
@@ -79,6 +83,8 @@ class Family:
     sinks: bool = False
     indexer: IndexerSpec | None = None
     shared_topk: bool = False
+    sublayers: int = 1
+    lora_scales: bool = False
     extra_modules: tuple[str, ...] = ()
     config_checks: tuple[ConfigCheck, ...] = ()
     example: str = ""
@@ -126,6 +132,10 @@ class Family:
             out.append("per-head sinks")
         if self.indexer is not None:
             out.append("top-k indexer" + (", shared top-k layers" if self.shared_topk else ""))
+        if self.sublayers > 1:
+            out.append(f"{self.sublayers} MLA blocks per decoder layer")
+        if self.lora_scales:
+            out.append("scaled query and latent (mla_scale_q_lora, mla_scale_kv_lora)")
         return ", ".join(out)
 
 

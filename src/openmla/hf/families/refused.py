@@ -31,8 +31,6 @@ REFUSED: dict[str, Refused] = {
     "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
     "Dots3NoteForCausalLM": _DOTS3,
     "Dots3NoteForConditionalGeneration": _DOTS3,
-    "LongcatFlashForCausalLM": Refused("longcat_flash", "two MLA blocks per decoder layer (self_attn is a ModuleList: "
-                                       "two cache layers per decoder layer), scaled query and latent projections"),
     "KimiLinearForCausalLM": Refused("kimi_linear", "linear-attention (KDA) layers whose recurrent state transformers keeps "
                                      "per batch row (no per-sequence state under continuous batching); its MLA layers "
                                      "use no rope"),
