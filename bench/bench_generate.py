@@ -1,6 +1,6 @@
 """Whole-model generation: ``openmla.hf.generate`` against transformers' ``model.generate``.
 
-Run: ``.venv/bin/python bench/bench_generate.py [--impls openmla eager sdpa] [--model v2-lite|v32] [--quick]``
+Run: ``.venv/bin/python bench/bench_generate.py [--impls openmla eager sdpa] [--model v2-lite|v32|family:NAME] [--quick]``
 
 A DeepSeek-V2-Lite-shaped transformers ``DeepseekV2ForCausalLM`` cut to ``--layers`` layers
 (hidden 2048, 16 heads, L=512, R=64, Dn=128, Dv=128, no q_lora, YaRN; layer 0 dense, the others
@@ -8,6 +8,10 @@ MoE with 64 routed experts top-6 and 2 shared; vocab 102400), random weights, bf
 v32``: the same sizes as a ``DeepseekV32ForCausalLM`` (q_lora 1536 and DeepSeek-V3.2's indexer:
 64 heads of 128, top 2048 keys per token), so prompts longer than 2048 run sparse. ``--batch``
 prompts of ``--prompt`` random tokens, ``--new`` generated tokens each, greedy, no eos.
+``--model family:NAME``: the family's ``openmla demo --model tiny-NAME`` model (``openmla.hf.presets``,
+size "demo": the family's real MLA dims, hidden 1024, 4 layers, 8 heads, a 16-expert MoE where the
+family has one, vocab 8192). ``--dtype auto`` (the default) is bf16 where the CPU multiplies bf16
+natively, else float32 (``openmla.hardware``).
 
 - ``openmla``: ``attach`` + ``generate`` (continuous batching: prompts are prefilled in chunks of
   at most ``--max-batch-tokens`` and the first ones start decoding while later ones prefill).
@@ -17,7 +21,8 @@ prompts of ``--prompt`` random tokens, ``--new`` generated tokens each, greedy, 
 
 Reported per implementation: wall seconds of the whole call, generated tokens/s (prefill
 included), the decode-phase tokens/s, the time per decode step against the step index (first
-and last 8 steps, a least-squares slope) and the process CPU seconds of the call. The load
+and last 8 steps, a least-squares slope) and the process CPU seconds of the call; for openmla also
+the share of the decode steps' time spent in the attention layers and in openmla's kernels. The load
 average and CPU model go with the results, to ``bench/out/generate.json``.
 """
 
@@ -118,6 +123,11 @@ def run_openmla(model, prompts: list[list[int]], new: int, page_size: int, max_b
     steps = stats.decode_only()
     row = summarise("openmla", wall, cpu, sum(map(len, out)), [s.seconds for s in steps], sum(s.decode_tokens for s in steps),
                     [s.seconds for s in steps if s.decode_tokens == len(prompts)])
+    decode_s = sum(s.seconds for s in steps)
+    row["decode_attention_share"] = sum(s.attention_seconds for s in steps) / decode_s if decode_s else 0.0
+    row["decode_kernel_share"] = sum(s.kernel_seconds for s in steps) / decode_s if decode_s else 0.0
+    print(f"openmla  decode steps: {row['decode_attention_share']:.0%} in the attention layers, "
+          f"{row['decode_kernel_share']:.0%} in openmla's kernels", flush=True)
     row["steps"] = len(stats.steps)
     row["preemptions"] = stats.preemptions
     row["tokens"] = out
@@ -169,7 +179,8 @@ def machine() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", nargs="+", default=["openmla", "eager", "sdpa"], choices=["openmla", "eager", "sdpa"])
-    ap.add_argument("--model", default="v2-lite", choices=["v2-lite", "v32"])
+    ap.add_argument("--model", default="v2-lite", help="v2-lite, v32 or family:NAME (a preset of openmla.hf.presets)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=1024)
@@ -190,8 +201,19 @@ def main() -> None:
     print(f"{info['cpu']} (AMX bf16: {info['amx_bf16']}), {info['threads']} threads, load {info['load_before']}", flush=True)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    config = (v32_config if args.model == "v32" else v2_lite_config)(args.layers, args.quick)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    from openmla.hardware import model_dtype
+
+    dtype = model_dtype(None if args.dtype == "auto" else getattr(torch, args.dtype))
+    info["dtype"] = str(dtype)
+    if args.model.startswith("family:"):
+        from openmla.hf import presets
+
+        model = presets.build(args.model.split(":", 1)[1], "test" if args.quick else "demo", dtype=dtype)
+    elif args.model in ("v2-lite", "v32"):
+        config = (v32_config if args.model == "v32" else v2_lite_config)(args.layers, args.quick)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        raise SystemExit(f"--model: v2-lite, v32 or family:NAME, got {args.model!r}")
     model.generation_config.eos_token_id = None
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, built in {time.perf_counter() - t0:.0f} s", flush=True)
     g = torch.Generator().manual_seed(1)
