@@ -225,3 +225,44 @@ def mla_prefill_decode_graph(
         out_lat, lse = decode(torch.cat([q_lat, q_rot[..., Dn:]], dim=-1), batch, layer_idx, spec, kv_lora_rank=L)
         return torch.einsum("thl,hvl->thv", out_lat, w_uv.cpu().to(F64)), lse
     return prefill(q_rot, batch, layer_idx, w_k, w_uv, spec)
+
+
+# Shared-KV (DeepSeek-V4) attention --------------------------------------------------
+def _entries(store: Any, b: int, positions: torch.Tensor) -> torch.Tensor:
+    """Entries ``positions`` of sequence ``b`` of a V4 ``PagedEntries`` store, float64 ``[n, D]``."""
+    ps = store.blocks.shape[1]
+    pages = store.block_table[b].long().cpu()[positions // ps]
+    return store.blocks.reshape(-1, store.blocks.shape[2])[(pages * ps + positions % ps).to(store.blocks.device)].cpu().to(F64)
+
+
+def shared_kv_attention(q: torch.Tensor, q_offsets: torch.Tensor, raw: Any, spec: Any,
+                        compressed: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4 attention in float64 (``openmla.v4.spec`` states the math): per sequence ``b`` and new
+    token at position ``t``, keys = raw entries ``t - window < k <= t`` plus compressed entries
+    ``w < (t + 1) // rate`` (all of them, or those listed in the query's row of indices), value =
+    the whole entry, one softmax with the sink. Returns ``out [T, H, D]``, ``lse [T, H]``."""
+    T, H, D = q.shape
+    qf = q.cpu().to(F64)
+    out = torch.zeros(T, H, D, dtype=F64)
+    lse = torch.full((T, H), -math.inf, dtype=F64)
+    offs = [int(x) for x in q_offsets.tolist()]
+    kv_lens = [int(x) for x in raw.lengths.tolist()]
+    ck = spec.compressed
+    sink = None if spec.attn_sink is None else spec.attn_sink.cpu().to(F64)
+    for b in range(len(offs) - 1):
+        n = offs[b + 1] - offs[b]
+        for i in range(n):
+            row, t = offs[b] + i, kv_lens[b] - n + i
+            window = torch.arange(max(0, t - spec.window + 1), t + 1)
+            keys = [_entries(raw, b, window)]
+            if ck is not None:
+                seen = (t + 1) // ck.rate
+                if ck.indices is None:
+                    picked = torch.arange(seen)
+                else:
+                    picked = ck.indices[row].long().cpu()
+                    picked = picked[(picked >= 0) & (picked < seen)]
+                keys.append(_entries(compressed, b, picked))
+            k = torch.cat(keys)
+            out[row], lse[row] = softmax_combine(spec.scale * (qf[row] @ k.T), k, sink)
+    return out, lse

@@ -56,17 +56,22 @@ def load_backend(name: str) -> Backend:
     return _LOADED[name]
 
 
+def _supports(backend: Backend, plan: PlanView):
+    """``supports``, or ``supports_shared_kv`` for a shared-KV (V4) plan."""
+    return backend.supports_shared_kv(plan) if getattr(plan, "shared_kv", False) else backend.supports(plan)
+
+
 def choose_backend(name: str, plan: PlanView) -> tuple[Backend, str | None]:
     """The backend that runs ``plan``: ``name``'s, or its fallback when it declines the step, with
     the reason (None when ``name``'s runs). ``ValueError`` when neither runs it."""
     backend = load_backend(name)
-    why = backend.supports(plan)
+    why = _supports(backend, plan)
     if why is True:
         return backend, None
     if backend.fallback is None:
         raise ValueError(f"backend: the {name} backend cannot run this step: {why}")
     fallback = load_backend(backend.fallback)
-    why_not = fallback.supports(plan)
+    why_not = _supports(fallback, plan)
     if why_not is not True:
         raise ValueError(f"backend: the {name} backend cannot run this step ({why}), nor its fallback {fallback.name} ({why_not})")
     return fallback, f"{name} declined: {why}"

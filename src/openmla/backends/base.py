@@ -102,6 +102,15 @@ class Backend:
         """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``; LSE over its keys."""
         raise NotImplementedError
 
+    # Shared-KV entries (DeepSeek-V4: the value is the whole entry, sliding window + compressed keys)
+    def supports_shared_kv(self, plan) -> Literal[True] | str:
+        """True when this backend runs a V4 attention step (``openmla.v4.SharedKVPlan``), else why not."""
+        return "it has no shared-KV (DeepSeek-V4) attention kernel"
+
+    def shared_kv_attention(self, plan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, H, D]`` over ``plan``'s raw window and compressed entries -> ``out [T, H, D]``, ``lse [T, H]``."""
+        raise NotImplementedError(f"the {self.name} backend has no shared-KV (DeepSeek-V4) attention kernel")
+
     # Around the decode form (defaults: openmla.combine's unfused definitions) ---------------
     def absorb(self, q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]``."""

@@ -48,3 +48,9 @@ class ReferenceBackend(Backend):
     def flare_mla_prefill(self, plan, layer_idx, q, k, v, chunk, spec, tile=None):
         return ref.flare_mla_prefill(q, k, v, chunk.buffer_row_offsets, chunk.cache_offsets, plan.batch, layer_idx,
                                      scale=spec.scale, mask=spec.mask)
+
+    def supports_shared_kv(self, plan):
+        return True
+
+    def shared_kv_attention(self, plan, q):
+        return ref.shared_kv_attention(q, plan.q_offsets, plan.raw, plan.spec, plan.compressed)

@@ -5,6 +5,7 @@ no call reads a tensor value on the host; tests/test_torch_sync_free.py holds it
 - ``decode``: absorbed (MQA) attention over the paged latent cache, split-KV, sparse, sinks;
   its ``OnlineSoftmax`` (flash-style running max, sum and output in float32) serves both forms.
 - ``prefill``: up-projected (MHA) attention, chunked by the plan's chunk plan.
+- ``shared_kv``: DeepSeek-V4 attention (entry = key = value, sliding window + compressed keys, sinks).
 
 FP8 caches (``fp8_e4m3``, ``fp8_ds_mla``): the cache write quantises through
 ``CacheBatch.write_rows``; decode dequantises each key block as it gathers it and prefill each
@@ -15,6 +16,7 @@ from ..base import ALL_FORMATS, Backend
 from .cache_write import write_cache
 from .decode import decode
 from .prefill import flare_mla_prefill, prefill
+from .shared_kv import shared_kv_attention
 
 
 class TorchBackend(Backend):
@@ -32,6 +34,12 @@ class TorchBackend(Backend):
 
     def flare_mla_prefill(self, plan, layer_idx, q, k, v, chunk, spec, tile=None):
         return flare_mla_prefill(plan, layer_idx, q, k, v, chunk, spec, tile)
+
+    def supports_shared_kv(self, plan):
+        return True
+
+    def shared_kv_attention(self, plan, q):
+        return shared_kv_attention(plan, q)
 
 
 __all__ = ["TorchBackend"]

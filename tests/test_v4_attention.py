@@ -1,0 +1,214 @@
+"""DeepSeek-V4 shared-KV attention (openmla.v4) against the float64 oracle.
+
+Every case draws a fresh seed (printed on failure): ragged sequences (0 and 1 new tokens
+included, decode and prefill), pages handed out shuffled, pages wholly outside every window
+freed (-1 in the table, NaN in the page), NaN in every unused page and row, windows smaller and
+larger than the context, the compressed stream by rule (HCA) and by per-query indices with -1
+slots and entries the rule hides (CSA), sinks, page sizes 1/16/64, several head counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+
+import pytest
+import torch
+
+from openmla import reference as ref
+from openmla.backends import load_backend
+from openmla.v4 import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec, plan_shared_kv, shared_kv_attention
+
+from cases import assert_close, assert_lse
+
+tkv = importlib.import_module("openmla.backends.torch_cpu.shared_kv")
+SEEDS = random.Random()
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(tkv, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
+
+
+def _store(g: torch.Generator, lengths: list[int], first_read: list[int], page_size: int, D: int, dtype: torch.dtype,
+           scale: float = 1.0) -> PagedEntries:
+    """Entries ``0 .. lengths[b]-1`` of each sequence in shuffled pages; pages wholly before
+    ``first_read[b]`` are freed (-1, NaN), as are all unused pages and rows."""
+    need = [-(-n // page_size) for n in lengths]
+    num_pages = sum(need) + 3
+    order = torch.randperm(num_pages, generator=g).tolist()
+    blocks = torch.full((num_pages, page_size, D), math.nan, dtype=dtype)
+    table = torch.full((len(lengths), max(need + [1])), -1, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        for j in range(need[b]):
+            if (j + 1) * page_size <= first_read[b]:
+                continue  # out of every window: returned to the pool
+            p = order.pop()
+            table[b, j] = p
+            k = min(page_size, n - j * page_size)
+            blocks[p, :k] = (torch.randn(k, D, generator=g) * scale).to(dtype)
+    return PagedEntries(blocks, table, torch.tensor(lengths, dtype=torch.int32))
+
+
+def make(seed: int, *, B: int, H: int, D: int, page_size: int, window: int, mode: str, rate: int = 4, K: int = 6,
+         sinks: bool = True, dtype: torch.dtype = torch.float32, decode: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    new = [1 if decode else rnd.choice([0, 1, 2, 5, 17, 40]) for _ in range(B)]
+    cached = [rnd.choice([0, 0, 3, 9, 30, 77]) for _ in range(B)]
+    if decode:
+        new[0] = 0  # a sequence without a query in a decode batch
+    kv = [c + n for c, n in zip(cached, new)]
+    first = [max(0, c - window + 1) if n else 10**9 for c, n in zip(cached, new)]
+    raw = _store(g, kv, first, page_size, D, dtype)
+    T = sum(new)
+    q = (torch.randn(T, H, D, generator=g) * 0.7).to(dtype)
+    offsets = torch.tensor([0] + list(torch.tensor(new).cumsum(0).tolist()), dtype=torch.int64)
+    sink = torch.randn(H, generator=g) if sinks else None
+    compressed, ck = None, None
+    if mode != "none":
+        c_lens = [n_kv // rate + rnd.choice([0, 0, 1]) for n_kv in kv]  # a store may hold entries no query sees yet
+        compressed = _store(g, c_lens, [0] * B, page_size, D, dtype)
+        indices = None
+        if mode == "indices":
+            rows = []
+            for b, n in enumerate(new):
+                for _ in range(n):
+                    slots = torch.randint(-1, max(c_lens[b], 1), (K,), generator=g) if c_lens[b] else torch.full((K,), -1)
+                    rows.append(slots)
+            indices = torch.stack(rows).to(torch.int32) if rows else torch.zeros(0, K, dtype=torch.int32)
+        ck = CompressedKeys(rate, indices)
+    spec = SharedKVSpec(D ** -0.5 * rnd.choice([1.0, 3.0]), window, EntryLayout(D, min(8, D)), ck, sink)
+    return q, offsets, raw, spec, compressed
+
+
+CASES = [  # (B, H, D, page_size, window, mode, rate)
+    (3, 1, 16, 1, 4, "none", 4),
+    (4, 4, 32, 16, 8, "rule", 4),
+    (4, 3, 32, 64, 200, "rule", 8),
+    (5, 8, 16, 16, 6, "indices", 4),
+    (3, 2, 64, 1, 3, "indices", 2),
+    (4, 16, 32, 64, 33, "indices", 4),
+    (2, 5, 512, 16, 16, "rule", 16),
+]
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("B,H,D,page_size,window,mode,rate", CASES)
+def test_torch_matches_oracle(B, H, D, page_size, window, mode, rate, decode):
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=B, H=H, D=D, page_size=page_size, window=window, mode=mode, rate=rate,
+                                       decode=decode, sinks=seed % 3 != 0)
+    want, want_lse = ref.shared_kv_attention(q, offsets, raw, spec, comp)
+    got, lse = shared_kv_attention(q, offsets, raw, spec, comp, backend="torch")
+    assert got.dtype == q.dtype and lse.dtype == torch.float32
+    assert_close(got, want, 1e-5, "out", seed)
+    assert_lse(lse, want_lse, 1e-5, seed)
+
+
+def test_torch_chunks_and_bf16(monkeypatch):
+    """Many small chunks give the result of one; bf16 entries within bf16 tolerance."""
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=4, H=4, D=32, page_size=16, window=10, mode="indices", rate=4)
+    want, _ = ref.shared_kv_attention(q, offsets, raw, spec, comp)
+    monkeypatch.setattr(tkv, "CHUNK_ELEMENTS", 1)
+    got, _ = shared_kv_attention(q, offsets, raw, spec, comp, backend="torch")
+    assert_close(got, want, 1e-5, "out (one row per chunk)", seed)
+    qb, offsets, raw, spec, comp = make(seed, B=4, H=4, D=32, page_size=16, window=10, mode="rule", rate=4, dtype=torch.bfloat16)
+    want, _ = ref.shared_kv_attention(qb, offsets, raw, spec, comp)
+    got, _ = shared_kv_attention(qb, offsets, raw, spec, comp, backend="torch")
+    assert got.dtype == torch.bfloat16
+    assert_close(got, want, 2e-2, "out bf16", seed)
+
+
+def test_oracle_by_hand():
+    """The oracle against a hand-computed case: window 2, rate 2, one query at position 3 sees raw
+    entries 2 and 3 and compressed entries 0 and 1 ((3+1)//2 = 2), plus the sink."""
+    D, H = 4, 1
+    raw_entries = torch.eye(4, dtype=torch.float64)
+    comp_entries = torch.tensor([[1.0, 1, 0, 0], [0, 0, 1, 1], [9, 9, 9, 9]], dtype=torch.float64)
+    raw = PagedEntries(raw_entries[:, None, :], torch.arange(4)[None], torch.tensor([4]))
+    comp = PagedEntries(comp_entries[:, None, :], torch.arange(3)[None], torch.tensor([3]))
+    q = torch.tensor([[[1.0, 2, 3, 4]]], dtype=torch.float64)
+    spec = SharedKVSpec(0.5, 2, EntryLayout(D, 2), CompressedKeys(2), torch.tensor([0.25]))
+    out, lse = ref.shared_kv_attention(q, torch.tensor([0, 1]), raw, spec, comp)
+    keys = torch.stack([raw_entries[2], raw_entries[3], comp_entries[0], comp_entries[1]])
+    s = 0.5 * keys @ q[0, 0]
+    e = torch.exp(s)
+    assert torch.allclose(out[0, 0], (e @ keys) / (e.sum() + math.exp(0.25)))
+    assert torch.allclose(lse[0, 0], torch.log(e.sum()))
+
+
+def test_rule_hides_future_entries():
+    """A compressed entry at logical position (w+1)*rate-1 past the query changes nothing."""
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=2, H=2, D=16, page_size=16, window=4, mode="rule", rate=4)
+    base, _ = shared_kv_attention(q, offsets, raw, spec, comp, backend="torch")
+    comp.blocks[torch.isnan(comp.blocks)] = 1e4  # unused rows and entries no query may see yet: loud values
+    got, _ = shared_kv_attention(q, offsets, raw, spec, comp, backend="torch")
+    assert torch.equal(got, base), f"seed {seed}"
+
+
+def test_fallback_and_refusal():
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=2, H=2, D=16, page_size=16, window=4, mode="rule")
+    try:
+        load_backend("cpu")
+    except ValueError:
+        pass
+    else:
+        plan = plan_shared_kv(q, offsets, raw, spec, comp, backend="cpu")
+        assert plan.backend_name == "torch" and "shared-KV" in plan.fallback_reason
+    assert plan_shared_kv(q, offsets, raw, spec, comp, backend="reference").backend_name == "reference"
+    try:
+        load_backend("triton")
+    except ValueError:
+        return
+    with pytest.raises(ValueError, match="backend: the triton backend cannot run this step: it has no shared-KV"):
+        plan_shared_kv(q, offsets, raw, spec, comp, backend="triton")
+
+
+def _bad(**change):
+    q, offsets, raw, spec, comp = make(5, B=3, H=2, D=16, page_size=4, window=4, mode="indices")
+    args = dict(q=q, q_offsets=offsets, raw=raw, spec=spec, compressed=comp)
+    for k, v in change.items():
+        args[k] = v(args) if callable(v) else v
+    return args
+
+
+@pytest.mark.parametrize("name,change", [
+    ("q", dict(q=lambda a: a["q"][:, 0])),
+    ("spec.entry.width", dict(spec=lambda a: SharedKVSpec(1.0, 4, EntryLayout(8, 2), a["spec"].compressed))),
+    ("spec.window", dict(spec=lambda a: SharedKVSpec(1.0, 0, EntryLayout(16, 2), a["spec"].compressed))),
+    ("spec.scale", dict(spec=lambda a: SharedKVSpec(math.nan, 4, EntryLayout(16, 2), a["spec"].compressed))),
+    ("spec.entry.value", dict(spec=lambda a: SharedKVSpec(1.0, 4, EntryLayout(16, 2, "latent"), a["spec"].compressed))),
+    ("q_offsets", dict(q_offsets=lambda a: a["q_offsets"].flip(0))),
+    ("raw.lengths", dict(raw=lambda a: PagedEntries(a["raw"].blocks, a["raw"].block_table, a["raw"].lengths * 0))),
+    ("raw.block_table", dict(raw=lambda a: PagedEntries(a["raw"].blocks, a["raw"].block_table * 0 - 1, a["raw"].lengths))),
+    ("raw.blocks", dict(raw=lambda a: PagedEntries(a["raw"].blocks.double(), a["raw"].block_table, a["raw"].lengths))),
+    ("compressed", dict(compressed=None)),
+    ("compressed.lengths", dict(compressed=lambda a: PagedEntries(a["compressed"].blocks, a["compressed"].block_table,
+                                                                   a["compressed"].lengths * 0))),
+    ("spec.compressed.indices", dict(spec=lambda a: SharedKVSpec(1.0, 4, EntryLayout(16, 2), CompressedKeys(
+        4, a["spec"].compressed.indices + 1000)))),
+    ("spec.compressed.rate", dict(spec=lambda a: SharedKVSpec(1.0, 4, EntryLayout(16, 2), CompressedKeys(0)))),
+    ("spec.attn_sink", dict(spec=lambda a: SharedKVSpec(1.0, 4, EntryLayout(16, 2), a["spec"].compressed, torch.zeros(3)))),
+])
+def test_bad_input_names_the_argument(name, change):
+    args = _bad(**change)
+    with pytest.raises(ValueError, match=f"^{name.replace('.', '[.]')}:"):
+        shared_kv_attention(args["q"], args["q_offsets"], args["raw"], args["spec"], args["compressed"], backend="torch")
+
+
+@pytest.mark.parametrize("mode", ["rule", "indices"])
+def test_torch_kernel_is_sync_free(mode):
+    """After the plan (the step's one host read), the torch kernel reads no tensor value on the host."""
+    from test_torch_sync_free import host_reads_refused
+
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=3, H=2, D=16, page_size=16, window=5, mode=mode)
+    plan = plan_shared_kv(q, offsets, raw, spec, comp, backend="torch")
+    with host_reads_refused():
+        got, _ = plan.backend.shared_kv_attention(plan, q)
+    assert_close(got, ref.shared_kv_attention(q, offsets, raw, spec, comp)[0], 1e-5, "out", seed)
