@@ -24,6 +24,12 @@ rotates an MLA query's rope part at the wrong positions, see cpu_platform.py; RE
 ``native_rope`` says that the op did not run), ``expect_error`` (the engine is expected to refuse the case: RESULT
 is ``{"error": "<type>: <message>"}``, or ``{"error": null}`` when it did not). RESULT's ``cache`` is
 the first layer's cache tensor: dtype and shape.
+
+With the plugin, RESULT's ``decode_plans`` counts the step's decode plans by their largest number
+of new tokens per request (``{"1": 40, "4": 12}``: 12 decode plans had a request with 4 query
+tokens) and ``decode_max_q_len`` lists the thresholds they were made with. With a
+``speculative_config`` in ``engine``, RESULT's ``spec_decode`` holds vLLM's own counters of the run
+(``drafts``, ``draft_tokens``, ``accepted_tokens``).
 """
 
 from __future__ import annotations
@@ -111,6 +117,31 @@ def fake_quant(fmt: str):
     return lambda: setattr(MLAAttention, "forward", forward)
 
 
+DECODE_PLANS: dict[str, int] = {}
+DECODE_THRESHOLDS: set[int] = set()
+
+
+def record_decode_plans() -> None:
+    """Count the plugin's decode plans by their largest per-request query length (``DECODE_PLANS``)."""
+    from openmla.integrations.vllm.metadata import OpenMLAMetadataBuilder
+
+    build = OpenMLAMetadataBuilder.build
+
+    def recorded(self, *args, **kwargs):
+        md = build(self, *args, **kwargs)
+        if md.decode_plan is not None:
+            key = str(md.decode_plan.batch.max_new_tokens)
+            DECODE_PLANS[key] = DECODE_PLANS.get(key, 0) + 1
+            DECODE_THRESHOLDS.add(md.decode_plan.decode_max_q_len)
+        return md
+
+    OpenMLAMetadataBuilder.build = recorded
+
+
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
 def _margin(step: dict) -> float:
     """Log-probability gap between the greedy token and the runner-up at one step (a near-tie
     is a step whose token any rounding difference may flip)."""
@@ -124,8 +155,12 @@ def main(path: str) -> None:
         torch.cpu._is_amx_tile_supported = lambda: False
     if spec.get("compare_with"):
         compare_with(spec["compare_with"])
+    if os.environ.get("OPENMLA_VLLM"):
+        record_decode_plans()
     for case in spec.get("cases", [spec]):
         ERRORS.clear()
+        DECODE_PLANS.clear()
+        DECODE_THRESHOLDS.clear()
         undo = fake_quant(case["fake_quant"]) if case.get("fake_quant") else None
         if case.get("expect_error"):
             try:
@@ -150,6 +185,9 @@ def run(spec: dict) -> dict:
     if spec.get("native_rope"):
         engine["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     engine.update(spec.get("engine", {}))
+    speculative = "speculative_config" in engine
+    if speculative:
+        engine["disable_log_stats"] = False  # vLLM's spec-decode counters
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
     context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
     layers = [layer for layer in context.values() if hasattr(layer, "kv_cache") and hasattr(layer, "impl")]  # attention layers
@@ -174,7 +212,8 @@ def run(spec: dict) -> dict:
         amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
         native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops, cache=[str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
-        max_rel_err=max(ERRORS, default=None))
+        max_rel_err=max(ERRORS, default=None), decode_plans=dict(DECODE_PLANS), decode_max_q_len=sorted(DECODE_THRESHOLDS),
+        spec_decode={SPEC_COUNTERS[m.name]: m.value for m in llm.get_metrics() if m.name in SPEC_COUNTERS} if speculative else None)
 
 
 if __name__ == "__main__":

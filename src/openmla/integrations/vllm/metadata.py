@@ -29,6 +29,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
+    QueryLenSupport,
 )
 
 import openmla
@@ -79,7 +80,15 @@ def layer_blocks(kv_cache: torch.Tensor, fmt: str = "native") -> torch.Tensor:
 
 
 class OpenMLAMetadataBuilder(MLACommonMetadataBuilder[OpenMLAMetadata]):
-    """vLLM's MLA metadata builder, plus the step's openmla plans."""
+    """vLLM's MLA metadata builder, plus the step's openmla plans.
+
+    ``VARLEN``: openmla's decode form takes any number of new tokens per request up to the plan's
+    ``decode_max_q_len`` (bottom-right causal over the request's cache), lengths mixed in one step.
+    With speculative decoding vLLM then raises ``reorder_batch_threshold`` to 1 + the number of
+    speculative tokens, and every request with at most that many new tokens (a verification
+    step, a short prompt or chunk) is a decode request: ``forward_mqa``, the absorbed form."""
+
+    query_len_support = QueryLenSupport.VARLEN
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=OpenMLAMetadata)
