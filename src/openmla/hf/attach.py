@@ -26,6 +26,7 @@ from ..formats import RECORDS
 from .attention import AttachedAttention
 from .checks import check_attention, layer_config
 from .families import Family, family_of
+from .hybrid import HybridLayers, check_linear, is_linear
 from .rope import RopeTable, rope_limit
 from .stats import AttentionClock
 
@@ -49,6 +50,7 @@ class Attachment:
     vocab_size: int = 0
     rope: RopeTable | None = None
     clock: AttentionClock | None = None  # time in the attention layers, while generate/stream record stats
+    hybrid: HybridLayers | None = None  # a hybrid model's linear-attention layers and their per-sequence states
 
 
 def _not_attached(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -74,10 +76,13 @@ def decoder_layers(model: nn.Module, family: Family | None = None) -> nn.ModuleL
 
 def attention_slots(layers: nn.ModuleList, family: Family) -> list[tuple[nn.Module, str, str]]:
     """``(parent, attribute, where)`` of every MLA attention module, in cache-layer order: each decoder
-    layer's ``self_attn``, or its ``family.sublayers`` entries where ``self_attn`` is a ``ModuleList``."""
+    layer's ``self_attn``, or its ``family.sublayers`` entries where ``self_attn`` is a ``ModuleList``; a hybrid
+    model's linear-attention layers are not among them (``openmla.hf.hybrid``)."""
     slots = []
     for i, layer in enumerate(layers):
         where = f"{family.decoder}.layers.{i}.self_attn"
+        if is_linear(getattr(layer, "self_attn", None), family):
+            continue
         if family.sublayers == 1:
             slots.append((layer, "self_attn", where))
             continue
@@ -127,6 +132,7 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple[Any, nn.Modul
         problem = check(hf_config)
         if problem is not None:
             raise ValueError(f"{problem}; openmla.hf does not reproduce it")
+    check_linear(family, hf_config, layers)
     slots = attention_slots(layers, family)
     originals = [getattr(parent, name, None) for parent, name, _ in slots]
     where = [at for _, _, at in slots]
@@ -204,8 +210,9 @@ def attach(
         raise ValueError(f"model: {type(model).__name__} does not accept a custom attention implementation")
     for (parent, name, _), module in zip(slots, attached):
         setattr(parent, name, module)
+    hybrid = HybridLayers.attach(family, hf_config, layers)
     setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
-                                     family, int(hf_config.vocab_size), rope, clock))
+                                     family, int(hf_config.vocab_size), rope, clock, hybrid))
     return cache
 
 
@@ -214,6 +221,8 @@ def detach(model: nn.Module) -> None:
     state = attachment(model)
     for (parent, name, _), module in zip(attention_slots(decoder_layers(model, state.family), state.family), state.originals):
         setattr(parent, name, module)
+    if state.hybrid is not None:
+        state.hybrid.detach()
     if state.previous_attn_implementation is not None:
         _set_attn_implementation(model, state.family, state.previous_attn_implementation)
     delattr(model, _ATTR)

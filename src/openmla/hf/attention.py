@@ -109,7 +109,8 @@ class AttachedAttention(LatentAttention):
         return (out, None, picks) if self.family.shared_topk else (out, None)
 
     def _query(self, hidden: torch.Tensor, step: MLAPlan) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(q [T, H, Dn+R] before rope, the query latent or None, the output gate's logits [T, H, Dv] or None)``."""
+        """``(q [T, H, Dn+R] before rope, the query latent or None, the output gate's logits [T, H, Dv] ([T, H] for
+        a per-head gate) or None)``."""
         c, f = self.config, self.family
         T, H = hidden.shape[0], c.num_heads
         gate = None
@@ -124,6 +125,8 @@ class AttachedAttention(LatentAttention):
             q = self.project_q(hidden, q_resid)
             if f.output_gate == "gate_proj":
                 gate = self.gate_proj(hidden).view(T, H, c.v_head_dim)
+            elif f.output_gate == "g_proj":  # one logit per head
+                gate = self.g_proj(hidden)
         if self.query_scale is not None:  # a factor per token on the whole query (rope is linear: before or after it)
             q = q * self.query_scale(step.token_pos)[:, None, None].to(q.dtype)
         if self.q_factor is not None:
@@ -159,7 +162,9 @@ class AttachedAttention(LatentAttention):
         out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
         if self.clock.on:
             self.clock.kernels += self.clock.now() - t0
-        if gate is not None:
+        if f.output_gate == "g_proj":  # Ling 3: the sigmoid in float32, cast to the activations' dtype, then the product
+            out = out.to(hidden.dtype) * torch.sigmoid(gate.float()).to(hidden.dtype)[..., None]
+        elif gate is not None:
             if f.gate_in_float32:
                 out = (out * torch.sigmoid(gate.float())).to(out.dtype)
             else:

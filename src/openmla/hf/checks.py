@@ -96,6 +96,8 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
     shapes[q_name] = (H * (Dn + R + (Dv if family.query == "q_gate" else 0)), None)
     if family.output_gate == "gate_proj":
         shapes["gate_proj"] = (H * Dv, config.hidden_size)
+    if family.output_gate == "g_proj":
+        shapes["g_proj"] = (H, config.hidden_size)
     for name, (rows, cols) in shapes.items():
         weight = module.get_submodule(name).weight
         if weight.shape[0] != rows or (cols is not None and weight.shape[1] != cols):

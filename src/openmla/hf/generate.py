@@ -110,7 +110,7 @@ def _run(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampli
     state = attachment(model)
     cache, clock = state.cache, state.clock
     run = next(_RUNS)
-    sched = Scheduler(cache, limits)
+    sched = Scheduler(cache, limits, on_release=state.hybrid.states.drop if state.hybrid is not None else None)
     for i, p in enumerate(prompts):
         sched.add(Sequence(i, ("openmla.hf", run, i), p, len(p)))
     generator = sampling.generator(cache.blocks.device)

@@ -47,6 +47,9 @@ PRESETS: dict[str, Preset] = {
     "longcat_flash": Preset("LongcatFlashForCausalLM", "LongcatFlashConfig",
                             dict(num_hidden_layers=4, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4,
                                  zero_expert_num=2, moe_topk=2), moe=False),
+    # KDA, MLA, KDA layers (every 2nd layer MLA); its experts count is num_local_experts
+    "bailing_hybrid": Preset("BailingHybridForCausalLM", "BailingHybridConfig",
+                             dict(num_hidden_layers=3, layer_group_size=2, num_local_experts=4, first_k_dense_replace=1)),
 }
 
 _SIZES = {

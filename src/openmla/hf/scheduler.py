@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -94,6 +94,7 @@ class Scheduler:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)  # admission order, oldest first
     preemptions: int = 0
+    on_release: Callable[[Hashable], None] | None = None  # told each id whose pages go back (finished or preempted)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -142,8 +143,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         if seq.registered:
-            self.cache.release(seq.key)
-            seq.registered = False
+            self._release(seq)
         seq.computed = 0
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -177,14 +177,18 @@ class Scheduler:
         """``seq`` is done: its pages go back to the pool."""
         self.running.remove(seq)
         if seq.registered:
-            self.cache.release(seq.key)
-            seq.registered = False
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.cache.release(seq.key)
+        seq.registered = False
+        if self.on_release is not None:
+            self.on_release(seq.key)
 
     def release_all(self) -> None:
         """Free every page this scheduler holds (end of a run, an error, or an abandoned stream)."""
         for s in list(self.running) + list(self.waiting):
             if s.registered:
-                self.cache.release(s.key)
-                s.registered = False
+                self._release(s)
         self.running.clear()
         self.waiting.clear()

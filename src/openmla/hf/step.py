@@ -15,6 +15,7 @@ from ..cache import CacheBatch
 from ..planning import MLAPlan, plan
 from .attach import Attachment, attachment
 from .attention import INDEX_KWARG, STEP_KWARG
+from .hybrid import LINEAR_KWARG
 from .indexer import IndexStep
 
 
@@ -39,6 +40,9 @@ def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, l
     context = {STEP_KWARG: step_context(state, batch)}
     if state.index_keys is not None:
         context[INDEX_KWARG] = IndexStep.build(context[STEP_KWARG], state.index_topk)
+    if state.hybrid is not None:  # each sequence's linear-attention state (a hybrid model)
+        context[LINEAR_KWARG] = state.hybrid.states.begin(batch.seq_ids, batch.cache_lengths_list, batch.new_tokens_list,
+                                                          live=set(state.cache.sequences))
     out = model(
         input_ids=input_ids.to(device)[None],
         position_ids=batch.token_positions()[1].to(device)[None],  # the cache's one definition of positions

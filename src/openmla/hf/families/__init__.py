@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .axk import AXK1, AXK2
+from .bailing import BAILING_HYBRID
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
 from .family import Family, IndexerSpec
 from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
@@ -21,7 +22,7 @@ from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
-    HY_V4, LONGCAT_FLASH,
+    HY_V4, LONGCAT_FLASH, BAILING_HYBRID,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 

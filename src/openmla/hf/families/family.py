@@ -55,7 +55,9 @@ class Family:
       ``rope_reader``: ``"cos_sin"`` or ``"complex"`` (what the rotary module returns);
     - ``query_scale``: a per-position factor on the query (Llama-4's), None for none;
     - ``output_gate``: None, ``"q_gate"`` or ``"gate_proj"`` (``sigmoid(gate)`` times each head's output
-      before ``o_proj``); ``gate_in_float32``: the sigmoid and product in float32, then cast back;
+      before ``o_proj``), or ``"g_proj"`` (one scalar per head from ``g_proj``, its sigmoid in float32 and
+      cast to the activations' dtype before the product: Ling 3's); ``gate_in_float32``: the sigmoid and
+      product in float32, then cast back;
     - ``sinks``: a per-head ``sinks`` parameter (one extra logit in each softmax);
     - ``indexer``: the top-k indexer's form (None: dense attention); ``shared_topk``: layers without
       an indexer reuse the previous layer's picks (the attention returns them as a third value);
@@ -63,6 +65,9 @@ class Family:
       of that many (LongCat-Flash: 2), each its own cache layer, in order;
     - ``lora_scales``: the module's ``mla_scale_q_lora`` multiplies the whole query and
       ``mla_scale_kv_lora`` the normed latent (LongCat-Flash);
+    - ``linear_attention``: the class of a hybrid model's linear-attention layers (decoder layers whose
+      ``self_attn`` is that class instead of ``attention_class``); they stay transformers' code, run on each
+      sequence of a step with that sequence's own state (``openmla.hf.hybrid``); None: every layer is MLA;
     - ``extra_modules``: submodules beyond the MLA projections that the flags account for;
     - ``config_checks``: further checks of the config (allow-list of what the flags reproduce);
     - ``example``: a checkpoint of the family, for ``openmla models``.
@@ -85,18 +90,21 @@ class Family:
     shared_topk: bool = False
     sublayers: int = 1
     lora_scales: bool = False
+    linear_attention: str | None = None
     extra_modules: tuple[str, ...] = ()
     config_checks: tuple[ConfigCheck, ...] = ()
     example: str = ""
 
     def __post_init__(self) -> None:
         choices = {"query": ("auto", "q_gate"), "rope_layout": ("config", "interleave", "half"),
-                   "rope_reader": ("cos_sin", "complex"), "output_gate": (None, "q_gate", "gate_proj")}
+                   "rope_reader": ("cos_sin", "complex"), "output_gate": (None, "q_gate", "gate_proj", "g_proj")}
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise ValueError(f"Family {self.name}: {attr} must be one of {allowed}, got {getattr(self, attr)!r}")
         if (self.query == "q_gate") != (self.output_gate == "q_gate"):
             raise ValueError(f"Family {self.name}: query 'q_gate' and output_gate 'q_gate' go together")
+        if self.output_gate == "g_proj" and self.gate_in_float32:
+            raise ValueError(f"Family {self.name}: output_gate 'g_proj' casts its sigmoid back before the product")
 
     def decoder_of(self, model: Any) -> Any:
         """The decoder stack of ``model`` (``model.model`` for a plain ``...ForCausalLM``)."""
@@ -128,6 +136,8 @@ class Family:
             out.append("position-dependent query scale")
         if self.output_gate == "gate_proj":
             out.append("output gate (gate_proj)")
+        if self.output_gate == "g_proj":
+            out.append("per-head output gate (g_proj)")
         if self.sinks:
             out.append("per-head sinks")
         if self.indexer is not None:
@@ -136,6 +146,8 @@ class Family:
             out.append(f"{self.sublayers} MLA blocks per decoder layer")
         if self.lora_scales:
             out.append("scaled query and latent (mla_scale_q_lora, mla_scale_kv_lora)")
+        if self.linear_attention is not None:
+            out.append(f"linear-attention layers ({self.linear_attention}) with per-sequence state")
         return ", ".join(out)
 
 

@@ -34,8 +34,6 @@ REFUSED: dict[str, Refused] = {
     "KimiLinearForCausalLM": Refused("kimi_linear", "linear-attention (KDA) layers whose recurrent state transformers keeps "
                                      "per batch row (no per-sequence state under continuous batching); its MLA layers "
                                      "use no rope"),
-    "BailingHybridForCausalLM": Refused("bailing_hybrid", "linear-attention layers whose recurrent state transformers "
-                                        "keeps per batch row (no per-sequence state under continuous batching)"),
     "Glm5NextForConditionalGeneration": _GLM5_NEXT,
     "HYV4VLForConditionalGeneration": _HY_V4_VL,
 }
