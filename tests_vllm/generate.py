@@ -23,7 +23,8 @@ values an fp8 cache stores), ``native_rope`` (turn vLLM's CPU rotary op off, as 
 rotates an MLA query's rope part at the wrong positions, see cpu_platform.py; RESULT's
 ``native_rope`` says that the op did not run), ``expect_error`` (the engine is expected to refuse the case: RESULT
 is ``{"error": "<type>: <message>"}``, or ``{"error": null}`` when it did not). RESULT's ``cache`` is
-the first layer's cache tensor: dtype and shape.
+the first layer's cache tensor: dtype and shape; ``impls`` the impl classes of all ``attention_layers``
+(a speculative draft model's layers among them).
 
 With the plugin, RESULT's ``decode_plans`` counts the step's decode plans by their largest number
 of new tokens per request (``{"1": 40, "4": 12}``: 12 decode plans had a request with 4 query
@@ -209,6 +210,7 @@ def run(spec: dict) -> dict:
         tokens=rounds, margins=margins, cached_tokens=cached, block_size=cfg.cache_config.block_size,
         chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
+        impls=sorted({f"{type(a.impl).__module__}.{type(a.impl).__qualname__}" for a in layers}), attention_layers=len(layers),
         amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
         native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops, cache=[str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
