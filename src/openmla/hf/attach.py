@@ -148,6 +148,8 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple[Any, nn.Modul
                              "width and one plan serve all layers")
     if family.indexer is not None and getattr(originals[0], "indexer", None) is None:
         raise ValueError("layer 0 has no top-k indexer, so no layer before it has picks to share")
+    if family.rope_reader == "none":  # no rotary module; the rope part of q and k is never rotated (Kimi Linear)
+        return hf_config, layers, config, RopeTable(None, config.qk_rope_head_dim, "none", None)
     rotary = getattr(family.decoder_of(model), "rotary_emb", None)
     if not isinstance(rotary, nn.Module):
         raise ValueError(f"has no rotary embedding module at {family.decoder}.rotary_emb")

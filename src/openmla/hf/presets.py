@@ -50,6 +50,10 @@ PRESETS: dict[str, Preset] = {
     # KDA, MLA, KDA layers (every 2nd layer MLA); its experts count is num_local_experts
     "bailing_hybrid": Preset("BailingHybridForCausalLM", "BailingHybridConfig",
                              dict(num_hidden_layers=3, layer_group_size=2, num_local_experts=4, first_k_dense_replace=1)),
+    # KDA, MLA, KDA layers; 2 KDA heads of Kimi Linear's 128 values (it has 32)
+    "kimi_linear": Preset("KimiLinearForCausalLM", "KimiLinearConfig",
+                          dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                               linear_num_heads=2, num_local_experts=4, first_k_dense_replace=1)),
 }
 
 _SIZES = {

@@ -7,7 +7,9 @@ Llama-3, proportional, learned frequencies, the magnitude YaRN folds into cos an
 model's own arithmetic, not a re-derivation. Rope types whose frequencies depend on the length of
 the sequence in the current forward are refused (``dynamic``), or held to the range where they
 are static (``longrope`` below ``original_max_position_embeddings``: a step past it is a
-``ValueError``, not other frequencies). The table grows by doubling, once for all layers.
+``ValueError``, not other frequencies). The table grows by doubling, once for all layers. A model
+whose MLA rotates nothing (Kimi Linear: R values per key shared across heads, never rotated) gets
+the identity table (cos 1, sin 0: the kernels' rotation returns its input exactly).
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ class RopeTable:
     """``[rows, R]`` float32 interleaved (cos, sin) of ``rotary`` (a transformers rotary module).
 
     ``layout``: ``"cos_sin"`` for modules returning ``(cos, sin)`` as ``cat(freqs, freqs)``,
-    ``"complex"`` for DeepSeek-V2's complex ``freqs_cis``. ``limit``: the positions it may cover.
+    ``"complex"`` for DeepSeek-V2's complex ``freqs_cis``, ``"none"`` for no rotation (``rotary`` None:
+    the identity table). ``limit``: the positions it may cover.
     """
 
-    def __init__(self, rotary: nn.Module, width: int, layout: str, limit: int | None) -> None:
-        if layout not in ("cos_sin", "complex"):
-            raise ValueError(f"layout: expected 'cos_sin' or 'complex', got {layout!r}")
+    def __init__(self, rotary: nn.Module | None, width: int, layout: str, limit: int | None) -> None:
+        if layout not in ("cos_sin", "complex", "none"):
+            raise ValueError(f"layout: expected 'cos_sin', 'complex' or 'none', got {layout!r}")
         self.rotary, self.width, self.layout, self.limit = rotary, width, layout, limit
         self._table: torch.Tensor | None = None
 
@@ -61,6 +64,8 @@ class RopeTable:
         x = torch.zeros(1, dtype=torch.float32, device=device)
         pos = torch.arange(rows, device=device)[None]
         R = self.width
+        if self.layout == "none":  # interleaved (cos, sin) = (1, 0) pairs
+            return torch.tensor([1.0, 0.0], device=device).repeat(rows, R // 2).contiguous()
         if self.layout == "complex":
             freqs = self.rotary(x, pos)
             if not (isinstance(freqs, torch.Tensor) and freqs.is_complex() and tuple(freqs.shape) == (1, rows, R // 2)):

@@ -14,6 +14,7 @@ from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
 from .family import Family, IndexerSpec
 from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
 from .hunyuan import HY_V4
+from .kimi import KIMI_LINEAR
 from .longcat import LONGCAT_FLASH
 from .minicpm3 import MINICPM3
 from .mistral4 import MISTRAL4
@@ -22,7 +23,7 @@ from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
-    HY_V4, LONGCAT_FLASH, BAILING_HYBRID,
+    HY_V4, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 

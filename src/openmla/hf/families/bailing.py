@@ -10,7 +10,7 @@ from typing import Any
 from .family import Family
 
 
-def _layer_types(hf_config: Any) -> str | None:
+def hybrid_layer_types(hf_config: Any) -> str | None:
     kinds = set(getattr(hf_config, "layer_types", None) or ())
     if not kinds or not kinds <= {"full_attention", "linear_attention"}:
         return f"layer_types {sorted(kinds)} (supported: full_attention and linear_attention layers)"
@@ -20,6 +20,6 @@ def _layer_types(hf_config: Any) -> str | None:
 BAILING_HYBRID = Family(
     name="bailing_hybrid", model_types=("bailing_hybrid",), model_classes=("BailingHybridForCausalLM",),
     attention_class="BailingHybridAttention", rope_layout="interleave", output_gate="g_proj",
-    linear_attention="BailingHybridDeltaAttention", extra_modules=("g_proj",), config_checks=(_layer_types,),
+    linear_attention="BailingHybridDeltaAttention", extra_modules=("g_proj",), config_checks=(hybrid_layer_types,),
     example="inclusionAI/Ling-3.0-Flash",
 )

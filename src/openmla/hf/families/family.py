@@ -52,7 +52,8 @@ class Family:
     - ``query``: ``"auto"`` (``q_proj``, or q LoRA when ``config.q_lora_rank`` is set) or ``"q_gate"``
       (``q_gate_proj([q_resid, q_latent])`` gives the query and a per-channel output gate);
     - ``rope_layout``: ``"config"`` (``config.rope_interleave``), ``"interleave"`` or ``"half"``;
-      ``rope_reader``: ``"cos_sin"`` or ``"complex"`` (what the rotary module returns);
+      ``rope_reader``: ``"cos_sin"`` or ``"complex"`` (what the rotary module returns), or ``"none"``: the model
+      has no rotary module and never rotates the rope part of queries and keys (Kimi Linear's MLA);
     - ``query_scale``: a per-position factor on the query (Llama-4's), None for none;
     - ``output_gate``: None, ``"q_gate"`` or ``"gate_proj"`` (``sigmoid(gate)`` times each head's output
       before ``o_proj``), or ``"g_proj"`` (one scalar per head from ``g_proj``, its sigmoid in float32 and
@@ -97,7 +98,7 @@ class Family:
 
     def __post_init__(self) -> None:
         choices = {"query": ("auto", "q_gate"), "rope_layout": ("config", "interleave", "half"),
-                   "rope_reader": ("cos_sin", "complex"), "output_gate": (None, "q_gate", "gate_proj", "g_proj")}
+                   "rope_reader": ("cos_sin", "complex", "none"), "output_gate": (None, "q_gate", "gate_proj", "g_proj")}
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise ValueError(f"Family {self.name}: {attr} must be one of {allowed}, got {getattr(self, attr)!r}")
@@ -129,7 +130,7 @@ class Family:
     def features(self) -> str:
         """The flags in words (``openmla models``)."""
         out = [{"config": "rope layout from rope_interleave", "interleave": "interleaved rope",
-                "half": "half-split rope"}[self.rope_layout]]
+                "half": "half-split rope"}[self.rope_layout] if self.rope_reader != "none" else "no rope (R values not rotated)"]
         if self.query == "q_gate":
             out.append("query gate (q_gate_proj)")
         if self.query_scale is not None:

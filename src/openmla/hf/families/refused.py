@@ -22,8 +22,10 @@ _MISTRAL_LARGE4 = Refused("mistral_large4", "layers without rope (R=0 keys: no k
 _DOTS3 = Refused("dots3_note", "a different latent width and head count per layer (one cache width for all layers), "
                  "a norm on the rope part of each key before rotation (the cache write norms the latent only), "
                  "sliding-window layers beside top-k layers")
-_GLM5_NEXT = Refused("glm5_next", "R=0 keys with pooled key groups for the indexer (no kernel form), and linear-attention "
-                     "layers whose state transformers keeps per batch row (no per-sequence state under continuous batching)")
+_GLM5_NEXT = Refused("glm5_next", "MLA layers with R=0 (qk_rope_head_dim 0: openmla's kernels need a rope part) and a "
+                     "top-k indexer over pooled key groups (index_kpool keys pooled by a softmax gate, the picked pools "
+                     "expanded to their tokens plus the open tail pool), which openmla's indexer does not have; its "
+                     "linear-attention (KDA) layers would run per sequence (openmla.hf.hybrid)")
 _HY_V4_VL = Refused("hy_v4_vl", "multimodal rope (M-RoPE: three position streams per token), which the rope table "
                     "indexed by one position cannot hold")
 
@@ -31,9 +33,6 @@ REFUSED: dict[str, Refused] = {
     "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
     "Dots3NoteForCausalLM": _DOTS3,
     "Dots3NoteForConditionalGeneration": _DOTS3,
-    "KimiLinearForCausalLM": Refused("kimi_linear", "linear-attention (KDA) layers whose recurrent state transformers keeps "
-                                     "per batch row (no per-sequence state under continuous batching); its MLA layers "
-                                     "use no rope"),
     "Glm5NextForConditionalGeneration": _GLM5_NEXT,
     "HYV4VLForConditionalGeneration": _HY_V4_VL,
 }
