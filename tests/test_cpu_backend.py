@@ -7,7 +7,6 @@ test_torch_prefill.py and test_torch_fp8.py on both CPU backends.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -41,12 +40,13 @@ def random_q_abs(case: Case, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def poison_unused_rows(case: Case) -> None:
-    """NaN in every cache row that holds no token of the batch: free pages and page tails."""
+    """NaN in every cache row that holds no token of the batch: free pages and page tails (bytes
+    0xff: a NaN in every native dtype, fp8 value, fp8_ds_mla scale and bf16 rope value)."""
     b = case.batch
     used = torch.zeros(b.num_pages * b.page_size, dtype=torch.bool)
     for s, n in enumerate(b.seq_lens_list):
         used[ref.physical_rows(b, s, torch.arange(n))] = True
-    b.blocks.view(b.num_layers, -1, b.blocks.shape[-1])[:, ~used] = math.nan
+    b.blocks.view(torch.uint8).view(b.num_layers, b.num_pages * b.page_size, -1)[:, ~used] = 0xFF
 
 
 def check_decode(case: Case, q_abs: torch.Tensor, **kw):
@@ -95,6 +95,19 @@ def test_failed_build_falls_back_to_torch(monkeypatch):
     assert build.unavailable_reason() == "no compiler"
     with pytest.raises(ValueError, match="backend: the cpu backend is unavailable"):
         load_backend("cpu")
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope"])
+def test_quantized_caches_plan_cpu_or_fall_back(cache_dtype):
+    """The fp8 formats run on the native kernels; the NVFP4 ones are declined with a reason and
+    run the torch backend."""
+    cfg = small_config(num_heads=2, L=512, R=64)
+    case = make_case([5], [1], config=cfg, dtype=torch.float32, cache_dtype=cache_dtype)
+    plan = openmla.plan(case.batch, scale=case.scale, backend="cpu")
+    if cache_dtype.startswith("fp8"):
+        assert plan.backend_name == "cpu" and plan.fallback_reason is None
+    else:
+        assert plan.backend_name == "torch" and cache_dtype in plan.fallback_reason
 
 
 def test_float64_runs_the_torch_backend():
@@ -240,6 +253,114 @@ def test_own_amx_sparse(own_amx, physical):
         idx = (torch.rand(T, 40, generator=g) * torch.tensor(b.seq_lens_list)[seq][:, None]).long()
     idx[torch.rand(T, 40, generator=g) < 0.2] = -1
     check_own_and_brgemm(own_amx, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
+
+
+# fp8 caches: dense decode dequantises next to the products (decode_reg.h: float32 products on
+# AVX2 + F16C builds), sparse units and bf16 products convert key blocks into a buffer ------------
+FP8_FORMATS = ["fp8_e4m3", "fp8_ds_mla"]
+
+
+def fp8_config(cache_dtype: str, H: int, aligned: bool = True):
+    """fp8_ds_mla needs L in groups of 128; fp8_e4m3 also takes widths off the kernel's vectors:
+    L = 70 leaves 6 latent columns past its 16-wide stripes, D = 90 two values past 8-wide ones."""
+    if cache_dtype == "fp8_ds_mla":
+        return small_config(num_heads=H, L=128, R=16)
+    return small_config(num_heads=H, L=64, R=16) if aligned else small_config(num_heads=H, L=70, R=20)
+
+
+@pytest.fixture
+def reg_units():
+    """The native units decode_reg.h ran so far (a callable), or skip where the build has no such path."""
+    ops = hooks()
+    if not ops.set_reg_dequant(True):
+        pytest.skip("this build has no AVX2 + F16C register-dequantising decode")
+    return ops.reg_dequant_units
+
+
+def check_fp8_decode(case: Case, q_abs: torch.Tensor, reg_units, **kw):
+    """Decode against the reference on the same stored bytes; where the products are float32 the
+    register-dequantising path must be the one that ran."""
+    from openmla.backends.cpu import kernels
+
+    before = reg_units()
+    out, lse = check_decode(case, q_abs, **kw)
+    if kernels.compute_dtype(q_abs.dtype) == torch.float32 and "sparse_indices" not in kw:
+        assert reg_units() > before, "the register-dequantising decode did not run"
+    return out, lse
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("H", [1, 3, 16])
+def test_fp8_decode_ragged(reg_units, cache_dtype, dtype, page_size, H):
+    """Ragged batches (0, 1 and longer caches; 0 to 3 new tokens) with NaN in free pages and page
+    tails, default and forced split-KV, sinks, against the reference reading the same fp8 bytes."""
+    case = make_case([0, 1, 37, 300, 4], [1, 2, 1, 3, 0], config=fp8_config(cache_dtype, H, aligned=H != 3),
+                     page_size=page_size, dtype=dtype, cache_dtype=cache_dtype, kv_scale=0.4, spare_pages=3)
+    poison_unused_rows(case)
+    q_abs = random_q_abs(case)
+    check_fp8_decode(case, q_abs, reg_units)
+    check_fp8_decode(case, q_abs, reg_units, num_partitions=3, attn_sink=torch.linspace(-1, 1, H))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
+def test_fp8_decode_masks_multi_token(reg_units, cache_dtype, mask, extra):
+    """Several query tokens per sequence see different key ranges of one block (per-row columns)."""
+    case = make_case([0, 5, 70, 129], [3, 6, 1, 4], config=fp8_config(cache_dtype, 4, aligned=False), page_size=16,
+                     dtype=torch.float32, cache_dtype=cache_dtype, kv_scale=2.5)
+    poison_unused_rows(case)
+    check_fp8_decode(case, random_q_abs(case), reg_units, mask=mask, **extra)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("H,new", [(128, [1, 1]), (200, [2, 1]), (40, [5, 3])])
+def test_fp8_decode_many_query_rows(reg_units, cache_dtype, H, new):
+    """Units of up to 128 query rows (tokens x heads), heads split across units above that:
+    every score column chunk and P x V row group size of the register tiles."""
+    case = make_case([517, 64], new, config=fp8_config(cache_dtype, H), page_size=64, dtype=torch.float32,
+                     cache_dtype=cache_dtype, kv_scale=0.7)
+    poison_unused_rows(case)
+    check_fp8_decode(case, random_q_abs(case), reg_units)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+def test_fp8_register_path_matches_widened_path(reg_units, cache_dtype):
+    """The register path and the key buffer (switched by the test hook) on one long sequence,
+    split across threads: both within float32 tolerance of the reference and of each other."""
+    ops = hooks()
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        case = make_case([3000, 1], [1, 1], config=fp8_config(cache_dtype, 8), page_size=64, dtype=torch.float32,
+                         cache_dtype=cache_dtype, kv_scale=0.05)
+        poison_unused_rows(case)
+        q_abs = random_q_abs(case)
+        reg, reg_lse = check_fp8_decode(case, q_abs, reg_units)
+        ops.set_reg_dequant(False)
+        before = reg_units()
+        wide, wide_lse = check_decode(case, q_abs)
+        assert reg_units() == before
+        assert_close(reg, wide, 1e-5, "register vs widened", case.seed)
+    finally:
+        ops.set_reg_dequant(True)
+        torch.set_num_threads(saved)
+
+
+def test_fp8_values_cover_every_byte(reg_units):
+    """Every finite e4m3 byte (subnormals, both signs, the +-448 ends) as a key and value entry:
+    the register conversion against the reference's float64 reading of the same bytes."""
+    case = make_case([255], [1], config=small_config(num_heads=8, L=64, R=16), page_size=16, dtype=torch.float32,
+                     cache_dtype="fp8_e4m3", kv_scale=0.01)
+    b = case.batch
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite bytes
+    rows = ref.physical_rows(b, 0, torch.arange(256))
+    g = torch.Generator().manual_seed(case.seed)
+    stored = codes[torch.randint(0, codes.numel(), (256, 80), generator=g)]
+    stored[:, :64] = codes.repeat(256 * 64 // codes.numel() + 1)[: 256 * 64].view(256, 64)  # every code in every column group
+    b.blocks[case.layer_idx].view(-1, 80)[rows] = stored.view(torch.float8_e4m3fn)
+    check_fp8_decode(case, random_q_abs(case), reg_units)
 
 
 # CPUs without bf16 brgemm -------------------------------------------------------------------------

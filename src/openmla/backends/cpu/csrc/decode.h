@@ -8,10 +8,12 @@
 //   S^T, online softmax per query row -> P[M, n] in the compute type
 //   O[M, L] += P x V                          (V = the first L key columns, packed for B)
 // Parts of one row group are merged by LSE by whichever unit finishes last, so a call is one
-// parallel region.
+// parallel region. Dense units over an fp8 cache with float32 products run decode_reg.h's tiles
+// instead (fp8 dequantised next to the products, no key buffer).
 #pragma once
 
 #include "amx.h"
+#include "decode_reg.h"
 #include "operands.h"
 #include "softmax.h"
 
@@ -224,9 +226,12 @@ struct DecodeKernel {
 #endif
     }
 #endif
-    w.QT = scratch<T>(S_QT, D * M);
+    const bool reg = reg_dequant();
+    const int64_t ldq = reg ? round_up(M, 8) : M;  // the register tiles read whole 8-column vectors of Q^T
+    w.QT = scratch<T>(S_QT, D * ldq);
     const T* q = static_cast<const T*>(a.q);
-    for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, w.QT, M, i * u.nh);
+    for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, w.QT, ldq, i * u.nh);
+    zero_b_columns<T>(w.QT, D, ldq, M, ldq);
     w.O = scratch<float>(S_ACC, M * L);
     w.ref = scratch<float>(S_ROWS, 2 * M);
     w.sum = w.ref + M;
@@ -242,7 +247,10 @@ struct DecodeKernel {
     w.rows = scratch<const T*>(S_KPACK, n_max);
 
     w.direct = direct_v(w);
-    if (a.sparse) {
+    if (reg) {
+      token_ranges(w);
+      walk_dense_reg(w, ldq);
+    } else if (a.sparse) {
       walk_sparse(w);
     } else {
       token_ranges(w);
@@ -345,6 +353,73 @@ struct DecodeKernel {
       else pv_buffer(w, keys, kb.rows);
       pos = kb.b;
     }
+  }
+
+  // Whether this unit runs decode_reg.h's tiles: float32 products over a dense fp8 cache, in a
+  // build for AVX2 + FMA + F16C (sparse units gather their listed rows into the key buffer).
+  bool reg_dequant() const {
+#if defined(OPENMLA_AVX2_FP8)
+#if defined(OPENMLA_TEST_HOOKS)
+    if (!reg_dequant_switch().load(std::memory_order_relaxed)) return false;
+#endif
+    return std::is_same_v<T, float> && a.sparse == nullptr && (a.cache.fmt == FMT_E4M3 || a.cache.fmt == FMT_DS_MLA);
+#else
+    return false;
+#endif
+  }
+
+  // Dense keys of an fp8 cache in blocks, dequantised next to the products (decode_reg.h).
+  void walk_dense_reg(Unit& w, int64_t ldq) const {
+#if defined(OPENMLA_AVX2_FP8)
+    if constexpr (std::is_same_v<T, float>) {
+#if defined(OPENMLA_TEST_HOOKS)
+      reg_dequant_units().fetch_add(1, std::memory_order_relaxed);
+#endif
+      const DecodeUnit& u = w.u;
+      const int64_t D = a.D, L = this->L(), M = w.M;
+      const int64_t ldk = round_up(D, 8);
+      const int64_t groups = a.cache.fmt == FMT_DS_MLA ? L / DS_GROUP : 1, group_w = L / groups;
+      const int64_t stored = a.cache.stored_bytes();
+      float* panel = scratch<float>(S_STAGE, SCORE_KR * ldk);
+      float* PTg = scratch<float>(S_KEYS, groups * w.n_max * M);  // P^T times each group's factor
+      float* factor = scratch<float>(S_VPACK, w.n_max + 16 * w.n_max);
+      float* Vs = factor + w.n_max;  // the V stripe
+      const uint8_t** rows = scratch<const uint8_t*>(S_KPACK, w.n_max);
+      for (int64_t pos = u.k_lo; pos < u.k_hi;) {
+        const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
+        const int64_t n = kb.rows;
+        for (int64_t r = 0; r < n; ++r) rows[r] = a.cache.logical(u.b, kb.base + r);
+        for (int64_t j0 = 0; j0 < n; j0 += SCORE_KR) {
+          const int64_t kr = std::min<int64_t>(SCORE_KR, n - j0);
+          for (int64_t r = j0 + SCORE_KR; r < std::min(n, j0 + 2 * SCORE_KR); ++r) prefetch_bytes(rows[r], stored);
+          for (int64_t k = 0; k < kr; ++k) panel_row(a.cache, rows[j0 + k], panel + k * ldk);
+          float* S = w.S + j0 * M;
+          switch (kr) {
+            case 6: score_tiles<6>(panel, ldk, w.QT, ldq, D, S, M); break;
+            case 5: score_tiles<5>(panel, ldk, w.QT, ldq, D, S, M); break;
+            case 4: score_tiles<4>(panel, ldk, w.QT, ldq, D, S, M); break;
+            case 3: score_tiles<3>(panel, ldk, w.QT, ldq, D, S, M); break;
+            case 2: score_tiles<2>(panel, ldk, w.QT, ldq, D, S, M); break;
+            default: score_tiles<1>(panel, ldk, w.QT, ldq, D, S, M); break;
+          }
+        }
+        block_columns(w, kb);
+        softmax(w, n);
+        for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t r = 0; r < n; ++r) factor[r] = pv_factor(a.cache, rows[r], g);
+          float* pg = PTg + g * n * M;
+          scale_probs(w.PT, n, M, factor, pg);
+          const int64_t l_end = (g + 1) * group_w;
+          int64_t l0 = g * group_w;
+          for (; l0 + 16 <= l_end; l0 += 16) pv_rows(rows, l0, pg, M, n, w.O, L, Vs);
+          if (l0 < l_end) pv_tail(rows, l0, l_end, pg, M, n, w.O, L);
+        }
+        pos = kb.b;
+      }
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "openmla cpu: the register-dequantising decode needs an AVX2 + F16C build");
   }
 
   // Sparse: this token's valid listed keys, compacted, in blocks.

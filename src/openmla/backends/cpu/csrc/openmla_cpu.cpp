@@ -293,6 +293,19 @@ bool set_own_amx(bool on) {
 }
 
 int64_t own_amx_unit_count() { return own_amx_units().load(); }
+
+// Turn decode_reg.h's path (fp8 caches, float32 products) on or off; returns whether it can run
+// in this build.
+bool set_reg_dequant(bool on) {
+  reg_dequant_switch().store(on);
+#if defined(OPENMLA_AVX2_FP8)
+  return on;
+#else
+  return false;
+#endif
+}
+
+int64_t reg_dequant_unit_count() { return reg_dequant_units().load(); }
 #endif
 
 // Whether brgemm runs bfloat16 with VNNI-packed B on this CPU (oneDNN needs AVX-512).
@@ -342,5 +355,7 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def("poison_scratch() -> ()", &openmla::poison_scratch);
   m.def("set_own_amx(bool on) -> bool", &openmla::set_own_amx);
   m.def("own_amx_units() -> int", &openmla::own_amx_unit_count);
+  m.def("set_reg_dequant(bool on) -> bool", &openmla::set_reg_dequant);
+  m.def("reg_dequant_units() -> int", &openmla::reg_dequant_unit_count);
 #endif
 }
