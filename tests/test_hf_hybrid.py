@@ -1,7 +1,7 @@
 """openmla.hf on hybrid models: linear-attention layers with a state per sequence (openmla.hf.hybrid).
 
-The shared scenario (test_hf_families.py) covers Ling 3 (bailing_hybrid) in one batch and one at
-a time. Here: the same tiny model through a small token budget (prefills chunked, the state carried
+The shared scenario (test_hf_families.py) covers Ling 3 (bailing_hybrid) and Kimi Linear in one
+batch and one at a time. Here: the same tiny models through a small token budget (prefills chunked, the state carried
 between chunks) and through a cache too small for all prompts (preempted sequences restart from
 a fresh state) gives transformers' greedy tokens; each linear-attention class transformers ships
 (Ling 3's, Kimi Linear's, GLM5-Next's), wrapped by the adapter and run on packed ragged steps,
@@ -21,10 +21,10 @@ from openmla.hf.hybrid import LINEAR_KWARG, AttachedLinearAttention, LinearState
 from test_hf_generate import NEW, one_thread, prompts_for, transformers_greedy  # noqa: E402,F401
 
 
-@pytest.fixture(scope="module")
-def ling():
-    """(model, prompts, transformers' greedy tokens): KDA, MLA, KDA layers."""
-    model = presets.build("bailing_hybrid", "test")
+@pytest.fixture(scope="module", params=["bailing_hybrid", "kimi_linear"])
+def ling(request):
+    """(model, prompts, transformers' greedy tokens): KDA, MLA, KDA layers (Ling 3, Kimi Linear)."""
+    model = presets.build(request.param, "test")
     prompts = prompts_for()
     return model, prompts, transformers_greedy(model, prompts)[0]
 
@@ -63,6 +63,7 @@ def test_linear_layers_are_shared_and_come_back(ling):
     attach(model, num_pages=4, page_size=8)
     assert [type(layer.self_attn).__name__ for layer in layers] == ["AttachedLinearAttention", "AttachedAttention",
                                                                     "AttachedLinearAttention"]
+    assert layers[0].self_attn.wrapped is originals[0]
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
     with pytest.raises(ValueError, match=LINEAR_KWARG):
         layers[0].self_attn(torch.zeros(1, 3, model.config.hidden_size))
@@ -76,7 +77,7 @@ def test_attach_refuses_a_linear_layer_it_cannot_key_and_leaves_the_model_alone(
     originals = [layer.self_attn for layer in layers]
     layers[2].self_attn.layer_idx = 1  # its state would be looked up at another layer's slot
     try:
-        with pytest.raises(ValueError, match=r"BailingHybridForCausalLM: model.layers.2.self_attn.layer_idx is 1"):
+        with pytest.raises(ValueError, match=rf"{type(model).__name__}: model.layers.2.self_attn.layer_idx is 1"):
             attach(model, num_pages=4)
     finally:
         layers[2].self_attn.layer_idx = 2
