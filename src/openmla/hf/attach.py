@@ -178,6 +178,10 @@ def attach(
     openmla backend (default: automatic per device). Everything is checked before the model is
     changed: a model openmla.hf does not run exactly raises ``ValueError`` and stays as it was.
     """
+    from .v4 import attach_v4, is_v4
+
+    if is_v4(model):  # DeepSeek-V4: shared-KV entries, sliding + compressed stores (openmla.hf.v4)
+        return attach_v4(model, num_pages, page_size, cache_dtype, backend=backend)
     if is_attached(model):
         raise ValueError("model: already attached; call openmla.hf.detach(model) first")
     family, hf_config, layers, config, rope = _checked(model)
@@ -220,6 +224,10 @@ def attach(
 
 def detach(model: nn.Module) -> None:
     """Undo ``attach``: the original attention modules and attention implementation come back."""
+    from .v4 import _ATTR as V4_ATTR, detach_v4
+
+    if getattr(model, V4_ATTR, None) is not None:
+        return detach_v4(model)
     state = attachment(model)
     for (parent, name, _), module in zip(attention_slots(decoder_layers(model, state.family), state.family), state.originals):
         setattr(parent, name, module)

@@ -68,7 +68,7 @@ class V4Cache:
                 raise ValueError("layout.index_width: compressed sparse layers need their indexer's key width")
             self.index = EntryStore(counts["compressed_sparse_attention"], compressed_pages or num_pages, page_size,
                                     layout.index_width, dtype, device)
-        self.state: dict[tuple[Hashable, int], dict[str, torch.Tensor]] = {}
+        self.state: dict[tuple[Hashable, int], dict] = {}  # (sequence, layer) -> tensors, or dicts of them
 
     def stores(self) -> list[EntryStore]:
         return [self.raw, *self.compressed.values()] + ([self.index] if self.index is not None else [])
@@ -117,10 +117,16 @@ class V4Cache:
         out = {"raw": self.raw.bytes_of(seq_id),
                "compressed": sum(s.bytes_of(seq_id) for s in self.compressed.values()),
                "index": self.index.bytes_of(seq_id) if self.index is not None else 0,
-               "state": sum(t.numel() * t.element_size() for (s, _), d in self.state.items() if s == seq_id
-                            for t in d.values())}
+               "state": sum(_nbytes(d) for (s, _), d in self.state.items() if s == seq_id)}
         out["total"] = sum(out.values())
         return out
+
+
+def _nbytes(x: object) -> int:
+    """Bytes of the tensors in a (nested) dict of states."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_nbytes(v) for v in x.values()) if isinstance(x, dict) else 0
 
 
 def _shrink(store: EntryStore, seq_id: Hashable, n: int, was_new: bool) -> None:
