@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
-from openmla.hf import attach, detach  # noqa: E402
+from openmla.hf import attach, detach, generate  # noqa: E402
 from openmla.hf.v4 import forward_step_v4, generate_v4, v4_attachment  # noqa: E402
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -116,6 +116,8 @@ def test_refusals(model_and_refs):
             attach(model, num_pages=8)
         with pytest.raises(ValueError, match="openmla_v4_step"):
             model(torch.tensor([[1, 2]]))
+        with pytest.raises(ValueError, match="openmla.hf.v4"):
+            generate(model, [[1, 2]], 2)
         with pytest.raises(ValueError, match="^max_new_tokens:"):
             generate_v4(model, [[1]], 0)
         with pytest.raises(ValueError, match=r"^prompts\[0\]:"):

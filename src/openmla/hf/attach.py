@@ -96,6 +96,9 @@ def attention_slots(layers: nn.ModuleList, family: Family) -> list[tuple[nn.Modu
 def attachment(model: nn.Module) -> Attachment:
     """The ``Attachment`` of an attached model; ``ValueError`` when it is not attached."""
     found = getattr(model, _ATTR, None)
+    if found is None and getattr(model, "_openmla_v4", None) is not None:
+        raise ValueError("model: a DeepSeek-V4 model attached to openmla runs through openmla.hf.v4 (generate_v4, "
+                         "forward_step_v4), not this API yet (docs/v4.md)")
     if found is None:
         raise ValueError("model: not attached to openmla; call openmla.hf.attach(model, num_pages=...) first")
     return found
