@@ -363,6 +363,27 @@ def test_fp8_values_cover_every_byte(reg_units):
     check_fp8_decode(case, random_q_abs(case), reg_units)
 
 
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("part", ["latent", "tail"])  # tail: a rope value (fp8_e4m3), a group scale (fp8_ds_mla)
+def test_fp8_nan_in_a_visible_key_reaches_the_output(reg_units, cache_dtype, part):
+    """A NaN byte in a key the query sees is NaN in the output, as in the reference (the
+    register path reads NaN bytes as NaN, not as the 480 of the bit trick)."""
+    case = make_case([40, 9], [1, 1], config=fp8_config(cache_dtype, 2), page_size=16, dtype=torch.float32,
+                     cache_dtype=cache_dtype)
+    b = case.batch
+    raw = b.blocks.view(torch.uint8)[case.layer_idx].view(b.num_pages * b.page_size, -1)
+    L = case.config.kv_lora_rank
+    cols = [3] if part == "latent" else [L + 5] if cache_dtype == "fp8_e4m3" else [L, L + 1, L + 2, L + 3]
+    raw[ref.physical_rows(b, 0, torch.tensor([7]))[:, None], torch.tensor(cols)] = 0xFF
+    q_abs = random_q_abs(case)
+    before = reg_units()
+    out = openmla.flare_mla_decode(q_abs, b, case.layer_idx, scale=case.scale, kv_lora_rank=L, backend="cpu")
+    want = openmla.flare_mla_decode(q_abs, b, case.layer_idx, scale=case.scale, kv_lora_rank=L, backend="reference")
+    assert reg_units() > before
+    assert torch.isnan(want[0]).all() and torch.isnan(out[0]).all(), f"seed {case.seed}"
+    assert_close(out[1], want[1], TOL[torch.float32], "the other sequence", case.seed)
+
+
 # CPUs without bf16 brgemm -------------------------------------------------------------------------
 def test_bf16_computes_in_float32_without_bf16_brgemm(monkeypatch):
     from openmla.backends.cpu import kernels

@@ -380,6 +380,7 @@ struct DecodeKernel {
       const int64_t ldk = round_up(D, 8);
       const int64_t groups = a.cache.fmt == FMT_DS_MLA ? L / DS_GROUP : 1, group_w = L / groups;
       const int64_t stored = a.cache.stored_bytes();
+      const float score_scale = a.cache.fmt == FMT_E4M3 ? a.scale * E4M3_PANEL_SCALE : a.scale;  // the panel's 2^-8
       float* panel = scratch<float>(S_STAGE, SCORE_KR * ldk);
       float* PTg = scratch<float>(S_KEYS, groups * w.n_max * M);  // P^T times each group's factor
       float* factor = scratch<float>(S_VPACK, w.n_max + 16 * w.n_max);
@@ -404,7 +405,7 @@ struct DecodeKernel {
           }
         }
         block_columns(w, kb);
-        softmax(w, n);
+        softmax_keys_major<T>(w.S, M, n, round_up(n, 32), w.c0, w.c1, score_scale, w.ref, w.sum, w.O, L, L, w.PT, w.P);
         for (int64_t g = 0; g < groups; ++g) {
           for (int64_t r = 0; r < n; ++r) factor[r] = pv_factor(a.cache, rows[r], g);
           float* pg = PTg + g * n * M;

@@ -86,12 +86,13 @@ inline void score_tiles(const float* Kp, int64_t ldk, const float* QT, int64_t l
 
 // V stripe: the fp8 latent bytes [l0, l0 + 16) of n key rows as floats, 2^-8 times their
 // values (NaN bytes read as 480: a visible NaN already made its scores NaN, and rows that do
-// not see a key have P = 0): Vs [n][16], 64 bytes a key, in L1 for the tiles below.
+// not see a key have P = 0): Vs [n][16], 32-byte aligned (aligned stores: some tunings split
+// unaligned 256-bit ones), 64 bytes a key, in L1 for the tiles below.
 inline void v_stripe(const uint8_t* const* rows, int64_t l0, int64_t n, float* Vs) {
   for (int64_t j = 0; j < n; ++j) {
     const __m256i h = e4m3_half(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + l0))));
-    _mm256_storeu_ps(Vs + 16 * j, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-    _mm256_storeu_ps(Vs + 16 * j + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    _mm256_store_ps(Vs + 16 * j, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+    _mm256_store_ps(Vs + 16 * j + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
   }
 }
 
@@ -105,7 +106,7 @@ inline void pv_tile(const float* Vs, const float* PT, int64_t ldp, int64_t n, fl
     acc[m][1] = _mm256_loadu_ps(O + m * ldo + 8);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 x0 = _mm256_loadu_ps(Vs + 16 * j), x1 = _mm256_loadu_ps(Vs + 16 * j + 8);
+    const __m256 x0 = _mm256_load_ps(Vs + 16 * j), x1 = _mm256_load_ps(Vs + 16 * j + 8);
     const float* p = PT + j * ldp;
     OPENMLA_UNROLL
     for (int m = 0; m < MR; ++m) {
@@ -142,19 +143,55 @@ inline void pv_rows(const uint8_t* const* rows, int64_t l0, const float* PT, int
   }
 }
 
-// One fp8 cache row's D = L + R values as floats (the score panel): fp8_e4m3 unscaled (decode
-// folds kv_scale into the softmax scale and the output), fp8_ds_mla per group scale and the
-// bf16 rope part.
+// Whether any of the n fp8 bytes at src is a NaN (0x7f / 0xff).
+inline bool has_e4m3_nan(const uint8_t* src, int64_t n) {
+  const __m256i m7f = _mm256_set1_epi8(0x7f);
+  __m256i any = _mm256_setzero_si256();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m256i x = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)), m7f);
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(x, m7f));
+  }
+  bool nan = !_mm256_testz_si256(any, any);
+  for (; j < n; ++j) nan |= (src[j] & 0x7f) == 0x7f;
+  return nan;
+}
+
+// n fp8 values at src times ``up`` (256 times their scale) into dst (32-byte aligned): NaN bytes
+// already ruled out by has_e4m3_nan; ``up`` 1 skips the multiply.
+inline void panel_e4m3(const uint8_t* src, float up, float* dst, int64_t n) {
+  const __m256 vup = _mm256_set1_ps(up);
+  int64_t j = 0;
+  if (up == 1.f) {
+    for (; j + 8 <= n; j += 8)
+      _mm256_store_ps(dst + j, _mm256_cvtph_ps(e4m3_half(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))))));
+  } else {
+    for (; j + 8 <= n; j += 8)
+      _mm256_store_ps(dst + j, _mm256_mul_ps(_mm256_cvtph_ps(e4m3_half(_mm_cvtepi8_epi16(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))))), vup));
+  }
+  for (; j < n; ++j) dst[j] = _cvtsh_ss((unsigned short)_mm_extract_epi16(e4m3_half(_mm_set1_epi16((short)(int8_t)src[j])), 0)) * up;
+}
+
+// One fp8 cache row's D = L + R values as floats (the score panel row, 32-byte aligned):
+// fp8_e4m3 as 2^-8 times its values (decode folds kv_scale, and here 256, into the softmax
+// scale: ``E4M3_PANEL_SCALE``), fp8_ds_mla times its group scales, the bf16 rope part as is.
+// A row holding a NaN byte goes through dequant_fp8, which keeps it.
+constexpr float E4M3_PANEL_SCALE = 256.f;
 inline void panel_row(const PagedCache& c, const uint8_t* src, float* dst) {
+  const bool nan = has_e4m3_nan(src, c.fmt == FMT_E4M3 ? c.L + c.R : c.L);
   if (c.fmt == FMT_E4M3) {
-    e4m3_row_avx2(src, 256.f, dst, c.L + c.R);
+    if (nan) dequant_fp8(src, 1.f / E4M3_PANEL_SCALE, dst, c.L + c.R);
+    else panel_e4m3(src, 1.f, dst, c.L + c.R);
     return;
   }
   const uint8_t* scales = src + c.L;
   for (int64_t g = 0; g < c.L / DS_GROUP; ++g) {
     float s;
     std::memcpy(&s, scales + 4 * g, 4);
-    dequant_fp8(src + g * DS_GROUP, s, dst + g * DS_GROUP, DS_GROUP);
+    // v * 2^-8 * (256 s) is v * s rounded once while 256 s is finite (any scale a write stores)
+    if (!nan && std::abs(s * 256.f) <= std::numeric_limits<float>::max()) panel_e4m3(src + g * DS_GROUP, s * 256.f, dst + g * DS_GROUP, DS_GROUP);
+    else dequant_fp8(src + g * DS_GROUP, s, dst + g * DS_GROUP, DS_GROUP);
   }
   const uint8_t* rope = scales + 4 * (c.L / DS_GROUP);
   int64_t j = 0;
