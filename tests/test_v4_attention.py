@@ -212,3 +212,24 @@ def test_torch_kernel_is_sync_free(mode):
     with host_reads_refused():
         got, _ = plan.backend.shared_kv_attention(plan, q)
     assert_close(got, ref.shared_kv_attention(q, offsets, raw, spec, comp)[0], 1e-5, "out", seed)
+
+
+def test_plan_for_another_layer():
+    """A planned step serves another layer of the same stores (other blocks, sinks, picks) with
+    the result of a fresh plan; what does not fit the step is refused, naming it."""
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=3, H=4, D=16, page_size=16, window=5, mode="indices")
+    plan = plan_shared_kv(q, offsets, raw, spec, comp, backend="torch")
+    g = torch.Generator().manual_seed(seed + 7)
+    raw2 = PagedEntries(torch.randn(raw.blocks.shape, generator=g), raw.block_table, raw.lengths)
+    comp2 = PagedEntries(torch.randn(comp.blocks.shape, generator=g), comp.block_table, comp.lengths)
+    picks = torch.randint(-1, 4, (q.shape[0], 3), generator=g, dtype=torch.int64)
+    spec2 = SharedKVSpec(spec.scale, spec.window, spec.entry, CompressedKeys(spec.compressed.rate, picks), torch.randn(4, generator=g))
+    got, _ = plan.for_layer(raw2, spec2, comp2).run(q)
+    assert_close(got, ref.shared_kv_attention(q, offsets, raw2, spec2, comp2)[0], 1e-5, "out", seed)
+    with pytest.raises(ValueError, match="^spec:"):
+        plan.for_layer(raw2, SharedKVSpec(spec.scale, spec.window + 1, spec.entry, spec2.compressed), comp2)
+    with pytest.raises(ValueError, match="^raw:"):
+        plan.for_layer(PagedEntries(raw2.blocks, raw.block_table.clone(), raw.lengths), spec2, comp2)
+    with pytest.raises(ValueError, match="^compressed[.]blocks:"):
+        plan.for_layer(raw2, spec2, PagedEntries(comp2.blocks[:1], comp.block_table, comp.lengths))

@@ -52,6 +52,7 @@ class V4Step:
     index_table: tuple | None = None
     backend: str | None = None
     offsets: list[int] = field(default_factory=list)  # q_offsets on the host
+    plans: dict = field(default_factory=dict)  # layer kind -> the step's validated SharedKVPlan
 
 
 @dataclass
@@ -112,7 +113,12 @@ class V4Attention(nn.Module):
             comp_view = cache.compressed[self.layer_type].view(self.slot, table)
         spec = SharedKVSpec(float(self.scaling), self.window, EntryLayout(D, self.rope_dim), keys, self.sinks.float())
         raw_view = cache.raw.view(self.layer_idx, step.raw_table)
-        out, _ = plan_shared_kv(q, step.q_offsets, raw_view, spec, comp_view, backend=step.backend).run(q)
+        planned = step.plans.get(self.layer_type)  # the first layer of a kind validates the step, the rest reuse it
+        if planned is None:
+            planned = step.plans[self.layer_type] = plan_shared_kv(q, step.q_offsets, raw_view, spec, comp_view, backend=step.backend)
+        else:
+            planned = planned.for_layer(raw_view, spec, comp_view)
+        out, _ = planned.run(q)
         out = rope(out[None], cos, -sin, unsqueeze_dim=2)  # the value's rope slice rotated back to the query's position
         grouped = self.o_a_proj(out.reshape(1, T, self.o_groups, -1)).flatten(2)
         return self.o_b_proj(grouped), None

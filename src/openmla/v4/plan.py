@@ -10,6 +10,7 @@ then reads only the validated ``SharedKVPlan``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,6 +44,43 @@ class SharedKVPlan:
     backend_name: str = ""
     fallback_reason: str | None = None
     shared_kv = True  # what openmla.backends.choose_backend asks a backend (supports_shared_kv)
+
+    def for_layer(self, raw: PagedEntries, spec: SharedKVSpec, compressed: PagedEntries | None = None) -> "SharedKVPlan":
+        """The same step over another layer of the same stores: ``raw`` / ``compressed`` with the
+        same tables and lengths and blocks of the same shape, dtype and device; ``spec`` with the
+        same window, scale, entry and rate (its own sinks and, per query, picks of any width).
+        O(1) checks, no host read: the step was validated once."""
+        def same(name: str, new: PagedEntries | None, old: PagedEntries | None) -> None:
+            if (new is None) != (old is None):
+                _fail(name, "given for one layer and not the other; every layer of a plan reads the same streams")
+            if new is None:
+                return
+            if new.block_table is not old.block_table or new.lengths is not old.lengths:
+                _fail(name, "must share the planned step's block_table and lengths (the same store tables)")
+            b, o = new.blocks, old.blocks
+            if b.shape != o.shape or b.dtype != o.dtype or b.device != o.device:
+                _fail(f"{name}.blocks", f"expected {tuple(o.shape)} {o.dtype} on {o.device}, got {tuple(b.shape)} {b.dtype} on {b.device}")
+
+        same("raw", raw, self.raw)
+        same("compressed", compressed, self.compressed)
+        old = self.spec
+        if not isinstance(spec, SharedKVSpec) or (spec.window, spec.scale, spec.entry) != (old.window, old.scale, old.entry):
+            _fail("spec", "another layer of a planned step needs the same window, scale and entry layout")
+        ck, keys = spec.compressed, self.compressed_keys
+        if (ck is None) != (old.compressed is None) or (ck is not None and (ck.rate != old.compressed.rate
+                                                                             or (ck.indices is None) != (old.compressed.indices is None))):
+            _fail("spec.compressed", "another layer of a planned step needs the same compressed stream (rate, rule or indices)")
+        if ck is not None and ck.indices is not None:
+            idx = ck.indices
+            if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in INDEX_DTYPES or idx.shape[0] != self.num_tokens \
+                    or idx.device != self.device:
+                _fail("spec.compressed.indices", f"expected int32/int64 [{self.num_tokens}, K] on {self.device}")
+            keys = int(idx.shape[1])  # values need no host check: the kernel keeps only entries w < (t+1)//rate <= lengths
+        sink = spec.attn_sink
+        if sink is not None and (not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32
+                                 or tuple(sink.shape) != (self.num_heads,) or sink.device != self.device):
+            _fail("spec.attn_sink", f"expected a float32 [{self.num_heads}] tensor on {self.device}")
+        return dataclasses.replace(self, spec=spec, raw=raw, compressed=compressed, compressed_keys=keys)
 
     def run(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, H, D]`` (normed and roped) -> ``out [T, H, D]`` in q's dtype, ``lse [T, H]`` float32."""
