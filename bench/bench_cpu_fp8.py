@@ -1,6 +1,6 @@
 """Decode from quantized caches on the native ``cpu`` backend: time against cache bytes (issue #23).
 
-Run: ``.venv/bin/python bench/bench_cpu_fp8.py [--rounds 5] [--heads 16 128] [--threads 2] [--widened]``
+Run: ``.venv/bin/python bench/bench_cpu_fp8.py [--rounds 5] [--heads 16 128] [--threads 2] [--widened] [--prefill]``
 
 Decode ``plan.decode`` (the absorbed form, a plan made once as an engine runs each layer):
 B=8 sequences x 4096 cached tokens + 1 new, L=512, R=64, pages of 64 handed out in a shuffled
@@ -17,7 +17,8 @@ one thread and wall on ``--threads``) and the float32 matmul rate (1024^3, same 
 Roofline time = max(FLOPs / matmul rate, cache bytes / copy bandwidth); FLOPs
 2*B*H*n*(576+512). ``--widened`` also times the fp8 formats on the path that widens each key
 block into a buffer first (the test build's switch; builds the test variant of the kernels).
-JSON goes to ``bench/out/cpu_fp8.json``.
+``--prefill``: ``mla_prefill`` of 2 x 512 new tokens at H=16 per format (1 thread CPU time).
+JSON goes to ``bench/out/cpu_fp8.json`` (``--json``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,23 @@ def decode_inputs(H: int, fmt: str, seed: int = 0):
     return step, q, cache.bytes_per_token
 
 
+def prefill_inputs(fmt: str, n: int = 512, H: int = 16):
+    """Prefill of 2 x ``n`` new tokens (no prefix, causal) over a cache of ``fmt``: ``mla_prefill``
+    (per chunk: the native gather dequantises the visible rows, two torch matmuls up-project them,
+    native flash attention), float32 inputs."""
+    import openmla
+    from openmla.testing import make_case, small_config
+
+    cfg = small_config(num_heads=H, L=L, R=R, Dn=128, Dv=128)
+    case = make_case([0, 0], [n, n], config=cfg, page_size=PAGE, dtype=torch.float32, seed=1,
+                     cache_dtype=None if fmt == "bf16" else fmt, kv_scale=0.05)
+    if fmt == "bf16":  # make_case's native cache is float32: the same entries in a bf16 cache
+        case.batch = case.batch.with_blocks(case.cache.blocks.bfloat16())
+    q = openmla.mla_write_cache(case.q, case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx, backend="cpu")
+    args = (q, case.batch, case.layer_idx, case.w_k, case.w_uv)
+    return lambda: openmla.mla_prefill(*args, scale=case.scale, backend="cpu")
+
+
 def cpu_seconds(fn) -> float:
     t0 = time.process_time()
     fn()
@@ -108,6 +126,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--widened", action="store_true", help="also the fp8 formats on the widening path (test build)")
+    ap.add_argument("--prefill", action="store_true", help="also prefill, 2 x 512 new tokens at H=16, per cache format")
+    ap.add_argument("--json", default=str(OUT / "cpu_fp8.json"))
     args = ap.parse_args()
     if args.widened and os.environ.get("OPENMLA_CPU_TEST_HOOKS") != "1":
         os.environ["OPENMLA_CPU_TEST_HOOKS"] = "1"  # before the kernels load
@@ -154,6 +174,19 @@ def main() -> None:
             res[name] = {"bytes": B * n * bpt, "flops": flops,
                          **{k: {"best_ms": min(v) * 1e3, "median_ms": statistics.median(v) * 1e3} for k, v in t.items()}}
         results["decode"][f"H={H}"] = res
+    if args.prefill:
+        fns = {fmt: prefill_inputs(fmt) for fmt in FORMATS}
+        torch.set_num_threads(1)
+        for fn in fns.values():
+            fn()
+        ptimes = {fmt: [] for fmt in fns}
+        for _ in range(max(2, args.rounds // 2)):
+            for fmt in random.sample(list(fns), len(fns)):
+                ptimes[fmt].append(cpu_seconds(fns[fmt]))
+        results["prefill_2x512_H16_1t_cpu_ms"] = {f: {"best": min(v) * 1e3, "median": statistics.median(v) * 1e3}
+                                                  for f, v in ptimes.items()}
+        print("prefill 2 x 512, H=16, 1 thread CPU time (best / median ms): "
+              + ", ".join(f"{f} {min(v) * 1e3:.0f} / {statistics.median(v) * 1e3:.0f}" for f, v in ptimes.items()), flush=True)
     results["probes_after"] = probes(args.threads)
     results["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime after: {results['uptime_after']}")
@@ -172,7 +205,7 @@ def main() -> None:
                 print(f"{shape:8s} {name:22s} {r['bytes'] / 1e6:7.1f}M {best:8.2f} {r[key]['median_ms']:8.2f} "
                       f"{best / base:8.2f} {t_bytes:9.2f}m {t_flops:9.2f}m {max(t_bytes, t_flops) / best:11.2f}")
     OUT.mkdir(exist_ok=True)
-    (OUT / "cpu_fp8.json").write_text(json.dumps(results, indent=1))
+    Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
