@@ -110,6 +110,14 @@ def test_refusals(model_and_refs):
     model = model_and_refs[0]
     with pytest.raises(ValueError, match="^cache_dtype:"):
         attach(model, num_pages=8, cache_dtype=torch.float16)
+    window = model.config.sliding_window
+    model.config.sliding_window = 0
+    try:
+        with pytest.raises(ValueError, match="^sliding_window:"):
+            attach(model, num_pages=8)
+    finally:
+        model.config.sliding_window = window
+    assert type(model.model.layers[0].self_attn).__name__ == "DeepseekV4Attention"  # refused before any change
     attach(model, num_pages=8, page_size=4)
     try:
         with pytest.raises(ValueError, match="^model: already attached"):

@@ -172,6 +172,13 @@ def _check(model: nn.Module) -> tuple[Any, nn.ModuleList]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError("model: DeepseekV4ForCausalLM has no decoder layers at model.layers")
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window: every V4 layer reads a sliding window of raw entries; expected an int >= 1, got {window!r}")
+    for kind in set(config.layer_types) - {SLIDING}:
+        rate = (config.compress_rates or {}).get(kind)
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+            raise ValueError(f"compress_rates: {kind} needs an int rate >= 1, got {rate!r}")
     if int(config.num_key_value_heads) != 1:
         raise ValueError(f"num_key_value_heads: V4 attention shares one entry across heads; got {config.num_key_value_heads}")
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
@@ -267,7 +274,9 @@ def _step(cache: V4Cache, seq_ids: list, counts: list[int], backend: str | None)
 def forward_step_v4(model: nn.Module, seq_ids: Sequence[Hashable], input_ids: Sequence[Sequence[int]],
                     logit_rows: torch.Tensor) -> torch.Tensor:
     """Run one packed step: ``input_ids[b]`` are sequence ``seq_ids[b]``'s new tokens (a new id
-    starts empty). Returns the logits ``[len(logit_rows), vocab]`` of those packed rows."""
+    starts empty). Returns the logits ``[len(logit_rows), vocab]`` of those packed rows. The
+    step's entries are reserved before the forward: if it raises, release its sequences
+    (``cache.release``), whose compressor state may be part-way through the step."""
     state = v4_attachment(model)
     cache = state.cache
     counts = [len(x) for x in input_ids]

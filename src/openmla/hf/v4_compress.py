@@ -40,7 +40,7 @@ def compress(module: nn.Module, hidden: torch.Tensor, state: dict, rate: int, he
         kv = torch.cat([state["buffer_kv"], kv], dim=0)
         gate = torch.cat([state["buffer_gate"], gate], dim=0)
     usable = (kv.shape[0] // rate) * rate
-    state["buffer_kv"], state["buffer_gate"] = kv[usable:], gate[usable:]
+    state["buffer_kv"], state["buffer_gate"] = kv[usable:].clone(), gate[usable:].clone()  # not views of the step's projections
     first = state.get("count", 0) * rate
     n_windows = usable // rate
     if n_windows == 0:
