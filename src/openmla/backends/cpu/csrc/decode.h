@@ -383,8 +383,8 @@ struct DecodeKernel {
       const float score_scale = a.cache.fmt == FMT_E4M3 ? a.scale * E4M3_PANEL_SCALE : a.scale;  // the panel's 2^-8
       float* panel = scratch<float>(S_STAGE, SCORE_KR * ldk);
       float* PTg = scratch<float>(S_KEYS, groups * w.n_max * M);  // P^T times each group's factor
-      float* factor = scratch<float>(S_VPACK, w.n_max + 16 * w.n_max);
-      float* Vs = factor + w.n_max;  // the V stripe
+      float* factor = scratch<float>(S_VPACK, round_up(w.n_max, 16) + 16 * w.n_max);
+      float* Vs = factor + round_up(w.n_max, 16);  // the V stripe, 64-byte aligned as the slot
       const uint8_t** rows = scratch<const uint8_t*>(S_KPACK, w.n_max);
       for (int64_t pos = u.k_lo; pos < u.k_hi;) {
         const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
