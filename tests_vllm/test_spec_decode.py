@@ -84,7 +84,7 @@ MTP = dict(speculative_config=dict(method="mtp", num_speculative_tokens=1))
 
 
 def test_speculation_gives_the_non_speculative_tokens(mtp_checkpoint, tmp_path):
-    spec = dict(model=mtp_checkpoint, rounds=prompts(), max_tokens=24)
+    spec = dict(model=mtp_checkpoint, rounds=prompts(), max_tokens=16)
     want = generate(spec, tmp_path, openmla=False)  # vLLM's own backend, no speculation
     # The n-gram engine last in its process: after vLLM's n-gram proposer imported numba, a new
     # engine in the same process fails in vLLM's kernel-override scan (vLLM 0.32; see docs/vllm.md).
