@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
 from openmla.hf import attach, detach, generate  # noqa: E402
-from openmla.hf.v4 import forward_step_v4, generate_v4, v4_attachment  # noqa: E402
+from openmla.cache import CacheFullError  # noqa: E402
+from openmla.hf.v4 import attach_v4, forward_step_v4, generate_v4, v4_attachment  # noqa: E402
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 NEW = 6
@@ -77,6 +78,22 @@ def test_one_at_a_time_and_batched(model_and_refs):
     finally:
         detach(model)
     assert hf_greedy(model, prompts[3], NEW)[0] == refs[3][0]  # detached: transformers' modules again
+
+
+def test_preemption_on_a_full_pool(model_and_refs):
+    """A compressed store too small for all prompts at once: the newest sequence is preempted and
+    prefilled again later; tokens and logits still equal transformers'."""
+    model, prompts, refs = model_and_refs
+    attach_v4(model, num_pages=64, page_size=4, backend="torch", compressed_pages=6)
+    try:
+        toks, logits = generate_v4(model, prompts[:3], NEW, return_logits=True)
+        assert v4_attachment(model).preemptions > 0
+        for i in range(3):
+            check(toks[i], logits[i], *refs[i], f"prompt {i} with preemption")
+        with pytest.raises(CacheFullError):
+            generate_v4(model, [prompts[2] * 2], 1)  # alone it does not fit
+    finally:
+        detach(model)
 
 
 def test_sliding_pages_return_and_bytes(model_and_refs):

@@ -25,6 +25,7 @@ from typing import Any, Hashable, Sequence
 import torch
 from torch import nn
 
+from ..cache import CacheFullError
 from ..v4 import CompressedKeys, EntryLayout, SharedKVSpec, plan_shared_kv
 from ..v4.cache import V4Cache, V4Layout
 from ..v4.spec import physical_rows
@@ -63,6 +64,7 @@ class V4Attachment:
     previous_attn_implementation: str | None
     backend: str | None
     vocab_size: int
+    preemptions: int = 0  # sequences generate_v4 preempted (released, prefilled again) on a full pool
 
 
 def _rope():
@@ -296,7 +298,10 @@ def generate_v4(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_toke
                 return_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Greedy generation for every prompt (continuous batching: decodes and prefill chunks of up
     to ``prefill_chunk`` tokens share each step; at most ``max_running`` sequences at once).
-    Returns the generated tokens per prompt (and each token's logits with ``return_logits``)."""
+    When the pool cannot hold a step, the newest running sequence is preempted (its pages and
+    compressor state released; it is prefilled again from its prompt and generated tokens); a
+    single sequence that does not fit raises ``CacheFullError``. Returns the generated tokens per
+    prompt (and each token's logits with ``return_logits``)."""
     state = v4_attachment(model)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
@@ -324,7 +329,18 @@ def generate_v4(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_toke
             ends = torch.tensor(feed and [len(x) for x in feed]).cumsum(0) - 1
             reach = [s["done"] + len(f) == len(s["tokens"]) for s, f in zip(running, feed)]
             rows = ends[torch.tensor(reach, dtype=torch.bool)]
-            logits = forward_step_v4(model, ids, feed, rows)
+            try:
+                logits = forward_step_v4(model, ids, feed, rows)
+            except CacheFullError:  # nothing was reserved: preempt the newest sequence, prefill it again later
+                if len(running) == 1:
+                    raise
+                victim = running.pop()
+                state.cache.release(victim["id"])
+                victim["done"] = 0
+                waiting.insert(0, victim)
+                limit = len(running)  # until a sequence finishes
+                state.preemptions += 1
+                continue
             j = 0
             for s, f, r in zip(running, feed, reach):
                 s["done"] += len(f)
@@ -338,6 +354,7 @@ def generate_v4(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_toke
             for s in [s for s in running if len(s["out"]) >= max_new_tokens]:
                 running.remove(s)
                 state.cache.release(s["id"])
+                limit = max_running or len(seqs)
     finally:
         for s in seqs:
             if state.cache.has(s["id"]):
