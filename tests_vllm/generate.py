@@ -24,7 +24,8 @@ rotates an MLA query's rope part at the wrong positions, see cpu_platform.py; RE
 ``native_rope`` says that the op did not run), ``expect_error`` (the engine is expected to refuse the case: RESULT
 is ``{"error": "<type>: <message>"}``, or ``{"error": null}`` when it did not). RESULT's ``cache`` is
 the first layer's cache tensor: dtype and shape; ``impls`` the impl classes of all ``attention_layers``
-(a speculative draft model's layers among them).
+(a speculative draft model's layers among them); with tensor parallelism (workers in their own
+processes) ``impl``, ``impls`` and ``cache`` say nothing (None, []): the workers' log lines do.
 
 With the plugin, RESULT's ``decode_plans`` counts the step's decode plans by their largest number
 of new tokens per request (``{"1": 40, "4": 12}``: 12 decode plans had a request with 4 query
@@ -204,15 +205,15 @@ def run(spec: dict) -> dict:
         margins.append([[_margin(step) for step in (o.outputs[0].logprobs or [])] for o in outs])
     t2 = time.perf_counter()
     cfg = llm.llm_engine.vllm_config
-    layer = layers[0]  # the first attention layer
-    impl = type(layer.impl)
+    layer = layers[0] if layers else None  # the first attention layer (None: the model runs in worker processes)
+    impl = type(layer.impl) if layer is not None else None
     return dict(
         tokens=rounds, margins=margins, cached_tokens=cached, block_size=cfg.cache_config.block_size,
         chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
-        prefix_caching=cfg.cache_config.enable_prefix_caching, impl=f"{impl.__module__}.{impl.__qualname__}",
+        prefix_caching=cfg.cache_config.enable_prefix_caching, impl=None if impl is None else f"{impl.__module__}.{impl.__qualname__}",
         impls=sorted({f"{type(a.impl).__module__}.{type(a.impl).__qualname__}" for a in layers}), attention_layers=len(layers),
         amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
-        native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops, cache=[str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
+        native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops, cache=None if layer is None else [str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
         max_rel_err=max(ERRORS, default=None), decode_plans=dict(DECODE_PLANS), decode_max_q_len=sorted(DECODE_THRESHOLDS),
         spec_decode={SPEC_COUNTERS[m.name]: m.value for m in llm.get_metrics() if m.name in SPEC_COUNTERS} if speculative else None)
