@@ -7,7 +7,7 @@ pages, page table, host lengths, the prefill chunk plan) and calls ``kernels``.
 |---|---|
 | ``write_cache`` | one native pass: RMSNorm, RoPE, paged store (fp8 quantised), q's rope |
 | ``decode`` | one native call (dense or sparse, split-KV, sinks; fp8 dequantised in the kernel, next to |
-| | the products for dense float32 units: ``csrc/decode_reg.h``) |
+| | the products for dense float32 units on AVX2 CPUs: ``csrc/decode_reg.h``) |
 | ``prefill`` | dense: per chunk of the plan, a native gather, two torch matmuls (K/V up-projection) |
 | | and native flash attention (sparse prefill reaches ``decode`` through the plan) |
 | ``flare_mla_prefill`` | a native gather of the rope rows and native flash attention |

@@ -355,10 +355,11 @@ struct DecodeKernel {
     }
   }
 
-  // Whether this unit runs decode_reg.h's tiles: float32 products over a dense fp8 cache, in a
-  // build for AVX2 + FMA + F16C (sparse units gather their listed rows into the key buffer).
+  // Whether this unit runs decode_reg.h's tiles: float32 products over a dense fp8 cache, in an
+  // AVX2 + FMA + F16C build without AVX-512 (sparse units gather their listed rows into the key
+  // buffer).
   bool reg_dequant() const {
-#if defined(OPENMLA_AVX2_FP8)
+#if defined(OPENMLA_REG_DEQUANT)
 #if defined(OPENMLA_TEST_HOOKS)
     if (!reg_dequant_switch().load(std::memory_order_relaxed)) return false;
 #endif
@@ -370,7 +371,7 @@ struct DecodeKernel {
 
   // Dense keys of an fp8 cache in blocks, dequantised next to the products (decode_reg.h).
   void walk_dense_reg(Unit& w, int64_t ldq) const {
-#if defined(OPENMLA_AVX2_FP8)
+#if defined(OPENMLA_REG_DEQUANT)
     if constexpr (std::is_same_v<T, float>) {
 #if defined(OPENMLA_TEST_HOOKS)
       reg_dequant_units().fetch_add(1, std::memory_order_relaxed);
@@ -420,7 +421,7 @@ struct DecodeKernel {
       return;
     }
 #endif
-    TORCH_CHECK(false, "openmla cpu: the register-dequantising decode needs an AVX2 + F16C build");
+    TORCH_CHECK(false, "openmla cpu: the register-dequantising decode needs an AVX2 + F16C build without AVX-512");
   }
 
   // Sparse: this token's valid listed keys, compacted, in blocks.

@@ -1,5 +1,7 @@
 // Decode from fp8 caches (fp8_e4m3, fp8_ds_mla) with float32 products, fp8 dequantised next to
-// the products (AVX2 + FMA + F16C; decode.h sends dense float32 units here).
+// the products (decode.h sends dense float32 units here in builds whose widest vectors are
+// AVX2's, with FMA and F16C: OPENMLA_REG_DEQUANT. AVX-512 builds keep the key buffer and
+// brgemm's 512-bit float32 kernels: these 256-bit tiles would halve the FMA width there).
 //
 // Per key block (the keys a unit sees, at most DECODE_BLOCK), with Q^T [D][Mp] packed once:
 //   scores: per group of SCORE_KR keys, their D values are dequantised into an L1 panel
@@ -31,7 +33,11 @@ inline std::atomic<int64_t>& reg_dequant_units() {
 }
 #endif
 
-#if defined(OPENMLA_AVX2_FP8)
+#if defined(OPENMLA_AVX2_FP8) && !defined(CPU_CAPABILITY_AVX512)
+#define OPENMLA_REG_DEQUANT 1
+#endif
+
+#if defined(OPENMLA_REG_DEQUANT)
 // The register tiles' loops over their accumulators must unroll completely (GCC otherwise keeps
 // the accumulator array in memory and stores it on every key).
 #define OPENMLA_UNROLL _Pragma("GCC unroll 16")

@@ -294,11 +294,11 @@ bool set_own_amx(bool on) {
 
 int64_t own_amx_unit_count() { return own_amx_units().load(); }
 
-// Turn decode_reg.h's path (fp8 caches, float32 products) on or off; returns whether it can run
-// in this build.
+// Turn decode_reg.h's path (fp8 caches, float32 products) on or off; returns whether it runs
+// now (False in builds without it: AVX-512 ones, or no AVX2 + F16C).
 bool set_reg_dequant(bool on) {
   reg_dequant_switch().store(on);
-#if defined(OPENMLA_AVX2_FP8)
+#if defined(OPENMLA_REG_DEQUANT)
   return on;
 #else
   return false;
