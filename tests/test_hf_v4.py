@@ -73,6 +73,9 @@ def test_one_at_a_time_and_batched(model_and_refs):
         toks, logits = generate_v4(model, prompts, NEW, prefill_chunk=7, max_running=3, return_logits=True)
         for i in range(len(prompts)):
             check(toks[i], logits[i], *refs[i], f"prompt {i} batched")
+        eos = refs[0][0][2]
+        toks = generate_v4(model, prompts[:1], NEW, eos_token_id=[eos])
+        assert toks[0] == refs[0][0][:refs[0][0].index(eos) + 1]  # stops on eos, which is kept
         cache = v4_attachment(model).cache
         assert all(s.allocator.num_free == s.allocator.num_pages for s in cache.stores()) and not cache.state
     finally:
@@ -143,6 +146,8 @@ def test_refusals(model_and_refs):
             model(torch.tensor([[1, 2]]))
         with pytest.raises(ValueError, match="openmla.hf.v4"):
             generate(model, [[1, 2]], 2)
+        with pytest.raises(ValueError, match="^eos_token_id:"):
+            generate_v4(model, [[1]], 1, eos_token_id="2")
         with pytest.raises(ValueError, match="^max_new_tokens:"):
             generate_v4(model, [[1]], 0)
         with pytest.raises(ValueError, match=r"^prompts\[0\]:"):

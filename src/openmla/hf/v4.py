@@ -295,18 +295,23 @@ def forward_step_v4(model: nn.Module, seq_ids: Sequence[Hashable], input_ids: Se
 
 def generate_v4(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                 prefill_chunk: int | None = None, max_running: int | None = None,
-                return_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[torch.Tensor]]]:
+                eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Greedy generation for every prompt (continuous batching: decodes and prefill chunks of up
     to ``prefill_chunk`` tokens share each step; at most ``max_running`` sequences at once).
     When the pool cannot hold a step, the newest running sequence is preempted (its pages and
     compressor state released; it is prefilled again from its prompt and generated tokens); a
-    single sequence that does not fit raises ``CacheFullError``. Returns the generated tokens per
-    prompt (and each token's logits with ``return_logits``)."""
+    single sequence that does not fit raises ``CacheFullError``. A sequence ends after
+    ``max_new_tokens`` or on a token of ``eos_token_id`` (kept, as transformers does). Returns the
+    generated tokens per prompt (and each token's logits with ``return_logits``)."""
     state = v4_attachment(model)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk: expected None or a positive int, got {prefill_chunk!r}")
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    if isinstance(eos_token_id, bool) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_ids):
+        raise ValueError(f"eos_token_id: expected None, an int or a list of ints, got {eos_token_id!r}")
+    eos = frozenset(eos_ids)
     seqs = []
     for i, p in enumerate(prompts):
         p = list(p)
@@ -351,7 +356,7 @@ def generate_v4(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_toke
                     s["tokens"].append(s["out"][-1])
                     if return_logits:
                         s["logits"].append(row.cpu())
-            for s in [s for s in running if len(s["out"]) >= max_new_tokens]:
+            for s in [s for s in running if len(s["out"]) >= max_new_tokens or (s["out"] and s["out"][-1] in eos)]:
                 running.remove(s)
                 state.cache.release(s["id"])
                 limit = max_running or len(seqs)
