@@ -145,9 +145,17 @@ def test_rule_hides_future_entries():
     seed = SEEDS.randrange(2**31)
     q, offsets, raw, spec, comp = make(seed, B=2, H=2, D=16, page_size=16, window=4, mode="rule", rate=4)
     base, _ = shared_kv_attention(q, offsets, raw, spec, comp, backend="torch")
-    comp.blocks[torch.isnan(comp.blocks)] = 1e4  # unused rows and entries no query may see yet: loud values
+    hidden = 0
+    for b, (kv, n) in enumerate(zip(raw.lengths.tolist(), comp.lengths.tolist())):
+        for w in range(kv // 4, n):  # held, but past every query of the sequence: (w+1)*4-1 > kv-1
+            page = int(comp.block_table[b, w // 16])
+            comp.blocks[page, w % 16] = 1e4
+            hidden += 1
+    comp.blocks[torch.isnan(comp.blocks)] = 1e4  # unused rows too
     got, _ = shared_kv_attention(q, offsets, raw, spec, comp, backend="torch")
     assert torch.equal(got, base), f"seed {seed}"
+    want, _ = ref.shared_kv_attention(q, offsets, raw, spec, comp)
+    assert_close(got, want, 1e-5, "out", seed)
 
 
 def test_fallback_and_refusal():
