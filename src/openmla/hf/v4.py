@@ -151,7 +151,7 @@ class V4Attention(nn.Module):
         itable, irows, _ = step.index_table
         index_store.write(self.slot, irows, torch.cat(index_keys))
         flat = index_store.blocks[self.slot].view(-1, index_store.width)
-        lengths = itable[1].tolist()
+        lengths = [index_store.length(s) for s in step.seq_ids]  # host lengths: no device read
         picks = []
         for b in range(len(step.seq_ids)):
             all_rows = physical_rows(itable[0], torch.tensor(b), torch.arange(lengths[b], device=h.device), index_store.page_size)
