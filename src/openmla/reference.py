@@ -237,7 +237,7 @@ def _entries(store: Any, b: int, positions: torch.Tensor) -> torch.Tensor:
 
 def shared_kv_attention(q: torch.Tensor, q_offsets: torch.Tensor, raw: Any, spec: Any,
                         compressed: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4 attention in float64 (``openmla.v4.spec`` states the math): per sequence ``b`` and new
+    """V4 attention in float64 (``openmla.shared_kv_spec`` states the math): per sequence ``b`` and new
     token at position ``t``, keys = raw entries ``t - window < k <= t`` plus compressed entries
     ``w < (t + 1) // rate`` (all of them, or those listed in the query's row of indices), value =
     the whole entry, one softmax with the sink. Returns ``out [T, H, D]``, ``lse [T, H]``."""

@@ -24,13 +24,14 @@ from ..cache import PagedLatentCache
 from ..config import MLAConfig
 from ..formats import RECORDS
 from .attention import AttachedAttention
+from .implementation import ATTN_IMPLEMENTATION, register
 from .checks import check_attention, layer_config
 from .families import Family, family_of
 from .hybrid import HybridLayers, check_linear, is_linear
 from .rope import RopeTable, rope_limit
 from .stats import AttentionClock
+from .v4 import _ATTR as V4_ATTR, attach_v4, detach_v4, is_v4
 
-ATTN_IMPLEMENTATION = "openmla"
 _ATTR = "_openmla_attachment"
 
 
@@ -51,18 +52,6 @@ class Attachment:
     rope: RopeTable | None = None
     clock: AttentionClock | None = None  # time in the attention layers, while generate/stream record stats
     hybrid: HybridLayers | None = None  # a hybrid model's linear-attention layers and their per-sequence states
-
-
-def _not_attached(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """transformers calls this only for an attention module attach did not replace."""
-    raise RuntimeError(f"{type(module).__name__}: this model runs with attn_implementation='openmla', but this "
-                       "attention module is not attached; call openmla.hf.detach(model) and attach again")
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _not_attached)
 
 
 def decoder_layers(model: nn.Module, family: Family | None = None) -> nn.ModuleList:
@@ -96,7 +85,7 @@ def attention_slots(layers: nn.ModuleList, family: Family) -> list[tuple[nn.Modu
 def attachment(model: nn.Module) -> Attachment:
     """The ``Attachment`` of an attached model; ``ValueError`` when it is not attached."""
     found = getattr(model, _ATTR, None)
-    if found is None and getattr(model, "_openmla_v4", None) is not None:
+    if found is None and getattr(model, V4_ATTR, None) is not None:
         raise ValueError("model: a DeepSeek-V4 model attached to openmla runs through openmla.hf.v4 (generate_v4, "
                          "forward_step_v4), not this API yet (docs/v4.md)")
     if found is None:
@@ -181,8 +170,6 @@ def attach(
     openmla backend (default: automatic per device). Everything is checked before the model is
     changed: a model openmla.hf does not run exactly raises ``ValueError`` and stays as it was.
     """
-    from .v4 import attach_v4, is_v4
-
     if is_v4(model):  # DeepSeek-V4: shared-KV entries, sliding + compressed stores (openmla.hf.v4)
         return attach_v4(model, num_pages, page_size, cache_dtype, backend=backend)
     if is_attached(model):
@@ -211,7 +198,7 @@ def attach(
                                  device=weight.device)
         for j, module in enumerate(indexers):
             module.index_keys = index_keys[j]
-    _register()
+    register()
     text = _text_config(model, family)
     previous = text._attn_implementation
     _set_attn_implementation(model, family, ATTN_IMPLEMENTATION)
@@ -227,8 +214,6 @@ def attach(
 
 def detach(model: nn.Module) -> None:
     """Undo ``attach``: the original attention modules and attention implementation come back."""
-    from .v4 import _ATTR as V4_ATTR, detach_v4
-
     if getattr(model, V4_ATTR, None) is not None:
         return detach_v4(model)
     state = attachment(model)

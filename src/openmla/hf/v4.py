@@ -28,7 +28,8 @@ from torch import nn
 from ..cache import CacheFullError
 from ..v4 import CompressedKeys, EntryLayout, SharedKVSpec, plan_shared_kv
 from ..v4.cache import V4Cache, V4Layout
-from ..v4.spec import physical_rows
+from ..shared_kv_spec import physical_rows
+from .implementation import ATTN_IMPLEMENTATION, register
 from .v4_compress import compress, top_k
 
 STEP_KWARG = "openmla_v4_step"
@@ -211,8 +212,6 @@ def attach_v4(model: nn.Module, num_pages: int, page_size: int = 64, cache_dtype
     store (default ``num_pages``). Entries are stored in the attention weights' dtype
     (``cache_dtype`` None or that dtype: V4's FP8 record is not done yet).
     """
-    from .attach import ATTN_IMPLEMENTATION, _register
-
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("model: already attached; call openmla.hf.detach(model) first")
     config, layers = _check(model)
@@ -227,7 +226,7 @@ def attach_v4(model: nn.Module, num_pages: int, page_size: int = 64, cache_dtype
     cache = V4Cache(layout, num_pages, page_size, weight.dtype, weight.device, compressed_pages)
     originals = [layer.self_attn for layer in layers]
     attached = [V4Attention(m, i, cache.slot[i], config) for i, m in enumerate(originals)]
-    _register()
+    register()
     previous = config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for layer, module in zip(layers, attached):

@@ -6,7 +6,7 @@ raw entries plus a compressed key stream in the same softmax, per-head sinks (do
 """
 
 from .plan import SharedKVPlan, plan_shared_kv, shared_kv_attention
-from .spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec, physical_rows
+from ..shared_kv_spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec, physical_rows
 
 __all__ = ["CompressedKeys", "EntryLayout", "PagedEntries", "SharedKVPlan", "SharedKVSpec", "physical_rows",
            "plan_shared_kv", "shared_kv_attention"]

@@ -18,7 +18,7 @@ import torch
 
 from ..backends import choose_backend, resolve_backend_name
 from ..backends.base import Backend
-from .spec import CompressedKeys, PagedEntries, SharedKVSpec
+from ..shared_kv_spec import CompressedKeys, PagedEntries, SharedKVSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..cache import CacheFullError, PageAllocator
-from .spec import PagedEntries, physical_rows
+from ..shared_kv_spec import PagedEntries, physical_rows
 
 FREED = -1  # a logical page returned to the pool (out of every window)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...v4.spec import physical_rows
+from ...shared_kv_spec import physical_rows
 
 # Entries gathered per chunk (chunk rows x keys per row x D): ~16 MB of float32.
 CHUNK_ELEMENTS = 1 << 22
