@@ -24,6 +24,7 @@ from ..config import MLAConfig
 from ..layer import LatentAttention
 from ..planning import MLAPlan
 from .families import Family
+from .implementation import packed_step
 from .indexer import IndexStep, select_keys
 from .rope import RopeTable
 from .stats import AttentionClock
@@ -85,12 +86,7 @@ class AttachedAttention(LatentAttention):
         ``kwargs[STEP_KWARG]`` is the step's plan; transformers' other arguments (mask, its cache)
         are not used: positions and causality come from the plan, the rope from the model's table.
         """
-        step = kwargs.get(STEP_KWARG)
-        if step is None:
-            raise ValueError("openmla_step: this model is attached to openmla; run it through openmla.hf.generate "
-                             "(or openmla.hf.forward_step), or call openmla.hf.detach(model) first")
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-            raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
+        step = packed_step(hidden_states, kwargs, STEP_KWARG)
         if not self.clock.on:
             return self._forward(hidden_states[0], step, kwargs)
         t0 = self.clock.now()

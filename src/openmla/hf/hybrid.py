@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .families import Family
+from .implementation import packed_step
 
 LINEAR_KWARG = "openmla_linear_step"  # the keyword a step's per-sequence states travel under
 
@@ -109,12 +110,7 @@ class AttachedLinearAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``hidden_states [1, T, hidden]`` of one packed step -> ``[1, T, hidden]``; ``kwargs[LINEAR_KWARG]``
         is the step's ``LinearStep``. transformers' mask and cache arguments are not used."""
-        step = kwargs.get(LINEAR_KWARG)
-        if not isinstance(step, LinearStep):
-            raise ValueError(f"{LINEAR_KWARG}: this model is attached to openmla; run it through openmla.hf.generate "
-                             "(or openmla.hf.forward_step), or call openmla.hf.detach(model) first")
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-            raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
+        step = packed_step(hidden_states, kwargs, LINEAR_KWARG, LinearStep)
         if not step.parts or step.parts[-1][1] != hidden_states.shape[1]:
             raise ValueError(f"{LINEAR_KWARG}: the step's sequences cover {step.parts[-1][1] if step.parts else 0} rows, "
                              f"hidden_states has {hidden_states.shape[1]}")

@@ -25,3 +25,18 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _not_attached)
+
+
+RUN_HINT = "run it through openmla.hf.generate (or openmla.hf.forward_step), or call openmla.hf.detach(model) first"
+
+
+def packed_step(hidden_states: Any, kwargs: dict, key: str, kind: type | None = None, hint: str = RUN_HINT) -> Any:
+    """What an attached layer gets from transformers: the step context under ``kwargs[key]`` (an
+    instance of ``kind``; any value but None when ``kind`` is None), returned, and ``hidden_states``
+    checked to be one packed step ``[1, T, hidden]``; a ``ValueError`` naming the argument otherwise."""
+    step = kwargs.get(key)
+    if step is None or (kind is not None and not isinstance(step, kind)):
+        raise ValueError(f"{key}: this model is attached to openmla; {hint}")
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
+        raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
+    return step

@@ -29,7 +29,7 @@ from ..cache import CacheFullError
 from ..v4 import CompressedKeys, EntryLayout, SharedKVSpec, plan_shared_kv
 from ..v4.cache import V4Cache, V4Layout
 from ..shared_kv_spec import physical_rows
-from .implementation import ATTN_IMPLEMENTATION, register
+from .implementation import ATTN_IMPLEMENTATION, packed_step, register
 from .v4_compress import compress, top_k
 
 STEP_KWARG = "openmla_v4_step"
@@ -93,12 +93,8 @@ class V4Attention(nn.Module):
         self.rate = int(config.compress_rates[self.layer_type]) if self.layer_type != SLIDING else None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None, *args: Any, **kwargs: Any) -> tuple:
-        step = kwargs.get(STEP_KWARG)
-        if not isinstance(step, V4Step):
-            raise ValueError(f"{STEP_KWARG}: this DeepSeek-V4 model is attached to openmla; run it through "
-                             "openmla.hf.v4.generate_v4 / forward_step_v4, or call openmla.hf.detach(model) first")
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-            raise ValueError(f"hidden_states: expected one packed step [1, T, hidden], got {tuple(hidden_states.shape)}")
+        step = packed_step(hidden_states, kwargs, STEP_KWARG, V4Step, hint="run it through openmla.hf.v4.generate_v4 / "
+                           "forward_step_v4, or call openmla.hf.detach(model) first")
         rope = _rope()
         h = hidden_states[0]
         T, H, D = h.shape[0], self.num_heads, self.head_dim
