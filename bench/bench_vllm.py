@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 B, CONTEXT, NEW = 8, 4096, 16  # sequences, prompt tokens, decode steps timed (--context, --new change the last two)
+DTYPE = "bfloat16"  # the engine's and the standalone op's dtype (--dtype; auto: float32 where bf16 matmuls are emulated)
 
 
 # The child: one engine, one backend ------------------------------------------------------
@@ -49,8 +50,8 @@ def _timed(cls, name, sink):
 def child(heads: int, backend: str, workdir: Path) -> dict:
     import torch
 
-    global CONTEXT, NEW
-    CONTEXT, NEW = int(os.environ["BENCH_CONTEXT"]), int(os.environ["BENCH_NEW"])
+    global CONTEXT, NEW, DTYPE
+    CONTEXT, NEW, DTYPE = int(os.environ["BENCH_CONTEXT"]), int(os.environ["BENCH_NEW"]), os.environ["BENCH_DTYPE"]
 
     if backend == "CPU_MLA":
         torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's non-AMX path: its reference backend
@@ -88,7 +89,7 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     cfg = deepseek_v2(num_heads=heads)
     cfg["max_position_embeddings"] = CONTEXT + 256
     model = save_model(cfg, workdir / f"v2-h{heads}")
-    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=CONTEXT + 64,
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype=DTYPE, enforce_eager=True, max_model_len=CONTEXT + 64,
               max_num_seqs=B, max_num_batched_tokens=8192, kv_cache_memory_bytes=512 << 20, seed=0)
     layers = [m for m in llm.llm_engine.vllm_config.compilation_config.static_forward_context.values() if isinstance(m, MLAAttention)]
     impl = type(layers[0].impl).__name__
@@ -116,11 +117,12 @@ def standalone_op(impl: str, heads: int, block_size: int, scale: float, reps: in
     import openmla
 
     L, R = 512, 64
+    dt = getattr(torch, DTYPE)
     pages_per_seq = -(-(CONTEXT + 1) // block_size)
-    cache = torch.randn(B * pages_per_seq + 1, block_size, L + R).to(torch.bfloat16)
+    cache = torch.randn(B * pages_per_seq + 1, block_size, L + R).to(dt)
     table = (1 + torch.arange(B * pages_per_seq, dtype=torch.int32)).view(B, pages_per_seq)
     seq_lens = torch.full((B,), CONTEXT + 1, dtype=torch.int32)
-    q = torch.randn(B, heads, L + R).to(torch.bfloat16)
+    q = torch.randn(B, heads, L + R).to(dt)
     if impl == "OpenMLAImpl":
         batch = openmla.CacheBatch(cache.unsqueeze(0), table, seq_lens - 1, torch.arange(B + 1, dtype=torch.int32), block_size)
         plan = openmla.plan(batch, scale=scale)
@@ -134,14 +136,14 @@ def standalone_op(impl: str, heads: int, block_size: int, scale: float, reps: in
         while splits < min(CONTEXT // 512, 2 * torch.get_num_threads()):
             splits *= 2
         logits = torch.zeros(B, heads, splits, L + 1)
-        out = torch.zeros(B, heads, L, dtype=torch.bfloat16)
+        out = torch.zeros(B, heads, L, dtype=dt)
         pool, lens = torch.arange(B), seq_lens.long()
         run = lambda: ops.cpu_mla_decode(q, flat, flat[..., :L], out, None, None, None, logits, req_to_token, pool, lens,  # noqa: E731
                                          scale, 0.0, False, 0, None, None)
     else:
         from vllm import _custom_ops as ops
 
-        out = torch.zeros(B, heads, L, dtype=torch.bfloat16)
+        out = torch.zeros(B, heads, L, dtype=dt)
         run = lambda: ops.mla_decode_kvcache_cpu(out, q, cache, scale, table, seq_lens)  # noqa: E731
     for _ in range(2):
         run()
@@ -167,6 +169,8 @@ def main() -> None:
     ap.add_argument("--child", nargs=3, metavar=("HEADS", "BACKEND", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, default=CONTEXT)
     ap.add_argument("--new", type=int, default=NEW)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="engine dtype (auto: bfloat16 where the CPU multiplies it natively, else float32)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_vllm.json"))
     args = ap.parse_args()
     if args.child:
@@ -175,13 +179,15 @@ def main() -> None:
         return
     import torch
 
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32")
+    print(f"engine dtype {dtype}, context {args.context}, {args.new} decode steps timed", flush=True)
     backends = [b for b in args.backends if b != "AMX_MLA" or torch.cpu._is_amx_tile_supported()]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for heads in args.heads:
             for backend in backends:
                 env = {k: v for k, v in os.environ.items() if k != "OPENMLA_VLLM"}
-                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new))
+                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new), BENCH_DTYPE=dtype)
                 if backend == "OPENMLA":
                     env["OPENMLA_VLLM"] = "1"
                 proc = subprocess.run([sys.executable, __file__, "--child", str(heads), backend, tmp], env=env,
@@ -196,7 +202,7 @@ def main() -> None:
                       f"{r['op_ms_cold_median']:.2f} ({r['op_ms_cold_min']:.2f}) |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(load=os.getloadavg(), context=args.context, results=results), indent=1))
+    out.write_text(json.dumps(dict(load=os.getloadavg(), context=args.context, dtype=dtype, results=results), indent=1))
 
 
 if __name__ == "__main__":
