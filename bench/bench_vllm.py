@@ -52,6 +52,7 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
 
     global CONTEXT, NEW, DTYPE
     CONTEXT, NEW, DTYPE = int(os.environ["BENCH_CONTEXT"]), int(os.environ["BENCH_NEW"]), os.environ["BENCH_DTYPE"]
+    kv_cache_dtype = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")
 
     if backend == "CPU_MLA":
         torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's non-AMX path: its reference backend
@@ -90,7 +91,8 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     cfg["max_position_embeddings"] = CONTEXT + 256
     model = save_model(cfg, workdir / f"v2-h{heads}")
     llm = LLM(model=str(model), skip_tokenizer_init=True, dtype=DTYPE, enforce_eager=True, max_model_len=CONTEXT + 64,
-              max_num_seqs=B, max_num_batched_tokens=8192, kv_cache_memory_bytes=512 << 20, seed=0)
+              max_num_seqs=B, max_num_batched_tokens=8192, kv_cache_memory_bytes=512 << 20, seed=0,
+              kv_cache_dtype=kv_cache_dtype)
     layers = [m for m in llm.llm_engine.vllm_config.compilation_config.static_forward_context.values() if isinstance(m, MLAAttention)]
     impl = type(layers[0].impl).__name__
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
@@ -101,7 +103,7 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     total = time.perf_counter() - t0
     n = len(layers)
     step = statistics.median(s for s, _, _ in steps)
-    result = dict(heads=heads, backend=backend, impl=impl, block_size=block_size, decode_steps=len(steps), generate_s=total,
+    result = dict(heads=heads, backend=backend, impl=impl, kv_cache_dtype=kv_cache_dtype, block_size=block_size, decode_steps=len(steps), generate_s=total,
                   step_ms=1e3 * step, tokens_per_s=B / step,
                   attn_ms_per_layer=1e3 * statistics.median(a for _, a, _ in steps) / n,
                   kernel_ms_per_layer=1e3 * statistics.median(k for _, _, k in steps) / n,
@@ -171,6 +173,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=NEW)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="engine dtype (auto: bfloat16 where the CPU multiplies it natively, else float32)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype for every engine (fp8, fp8_ds_mla: "
+                    "openmla only; vLLM's CPU backends take none); the standalone op column stays the unquantised cache's")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_vllm.json"))
     args = ap.parse_args()
     if args.child:
@@ -187,7 +191,7 @@ def main() -> None:
         for heads in args.heads:
             for backend in backends:
                 env = {k: v for k, v in os.environ.items() if k != "OPENMLA_VLLM"}
-                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new), BENCH_DTYPE=dtype)
+                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new), BENCH_DTYPE=dtype, BENCH_KV_CACHE_DTYPE=args.kv_cache_dtype)
                 if backend == "OPENMLA":
                     env["OPENMLA_VLLM"] = "1"
                 proc = subprocess.run([sys.executable, __file__, "--child", str(heads), backend, tmp], env=env,
