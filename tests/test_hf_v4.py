@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
-from openmla.hf import attach, detach, generate  # noqa: E402
+from openmla.hf import Limits, Sampling, attach, detach, generate, stream  # noqa: E402
 from openmla.cache import CacheFullError  # noqa: E402
 from openmla.hf.v4 import attach_v4, forward_step_v4, generate_v4, v4_attachment  # noqa: E402
 
@@ -47,6 +47,10 @@ def hf_greedy(model, prompt: list[int], n: int):
     return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
 
 
+def stream_all(model, prompts, n):
+    return list(stream(model, prompts, n))
+
+
 def check(got_tokens, got_logits, want_tokens, want_logits, what):
     assert got_tokens == want_tokens, f"{what}: tokens {got_tokens} != transformers' {want_tokens}"
     for i, (a, b) in enumerate(zip(got_logits, want_logits)):
@@ -76,6 +80,8 @@ def test_one_at_a_time_and_batched(model_and_refs):
         eos = refs[0][0][2]
         toks = generate_v4(model, prompts[:1], NEW, eos_token_id=[eos])
         assert toks[0] == refs[0][0][:refs[0][0].index(eos) + 1]  # stops on eos, which is kept
+        limits = Limits(max_batch_tokens=7, max_running=3)  # openmla.hf.generate runs generate_v4 for a V4 model
+        assert generate(model, prompts, NEW, limits=limits) == [r[0] for r in refs]
         cache = v4_attachment(model).cache
         assert all(s.allocator.num_free == s.allocator.num_pages for s in cache.stores()) and not cache.state
     finally:
@@ -144,8 +150,10 @@ def test_refusals(model_and_refs):
             attach(model, num_pages=8)
         with pytest.raises(ValueError, match="openmla_v4_step"):
             model(torch.tensor([[1, 2]]))
+        with pytest.raises(ValueError, match="^sampling: a DeepSeek-V4 model generates greedily"):
+            generate(model, [[1, 2]], 2, sampling=Sampling(temperature=0.7))
         with pytest.raises(ValueError, match="openmla.hf.v4"):
-            generate(model, [[1, 2]], 2)
+            stream_all(model, [[1, 2]], 2)
         with pytest.raises(ValueError, match="^eos_token_id:"):
             generate_v4(model, [[1]], 1, eos_token_id="2")
         with pytest.raises(ValueError, match="^max_new_tokens:"):

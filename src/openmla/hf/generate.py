@@ -22,6 +22,7 @@ from .sampling import Sampling, sample
 from .scheduler import Limits, Scheduler, Sequence
 from .stats import GenerationStats, StepRecord
 from .step import forward_step
+from .v4 import generate_v4, is_attached as is_v4_attached
 
 _RUNS = itertools.count()  # keeps the cache ids of two runs on one cache apart
 
@@ -157,7 +158,18 @@ def generate(
     """The generated tokens of every prompt (not the prompt itself), in prompt order.
 
     See ``stream`` for the arguments; greedy by default (``Sampling(temperature=...)`` samples).
+    An attached DeepSeek-V4 model runs ``openmla.hf.v4.generate_v4``: greedy only (a ``sampling``
+    that samples, and ``stats``, are refused by name), ``limits.max_running`` sequences at once
+    and prefill chunks of at most ``limits.max_batch_tokens`` tokens per sequence.
     """
+    if is_v4_attached(model):
+        if sampling is not None and sampling.temperature != 0:
+            raise ValueError("sampling: a DeepSeek-V4 model generates greedily for now (openmla.hf.v4.generate_v4)")
+        if stats is not None:
+            raise ValueError("stats: not recorded for DeepSeek-V4 models yet")
+        limits = limits or Limits()
+        return generate_v4(model, prompts, max_new_tokens, prefill_chunk=limits.max_batch_tokens,
+                           max_running=limits.max_running, eos_token_id=eos_token_id)
     out: list[list[int]] = [[] for _ in range(len(prompts))]
     for event in stream(model, prompts, max_new_tokens, sampling=sampling, eos_token_id=eos_token_id, limits=limits, stats=stats):
         out[event.request].append(event.token)

@@ -231,6 +231,11 @@ def attach_v4(model: nn.Module, num_pages: int, page_size: int = 64, cache_dtype
     return cache
 
 
+def is_attached(model: nn.Module) -> bool:
+    """Whether ``model`` is a DeepSeek-V4 model attached to openmla."""
+    return getattr(model, _ATTR, None) is not None
+
+
 def v4_attachment(model: nn.Module) -> V4Attachment:
     found = getattr(model, _ATTR, None)
     if found is None:
