@@ -13,6 +13,7 @@ draws fresh random examples (and 10x as many where a test asks for ``scaled(n)``
 import os
 import sys
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -27,3 +28,13 @@ settings.register_profile("ci", derandomize=True, database=None, max_examples=10
                           suppress_health_check=_SLOW_OK)
 settings.register_profile("explore", max_examples=100, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): its small
+    ops run as fast on one, and do not stall when another process takes a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

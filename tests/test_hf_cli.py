@@ -10,7 +10,9 @@ transformers = pytest.importorskip("transformers")
 from openmla.cli import main  # noqa: E402
 from openmla.hf import attach, generate, presets  # noqa: E402
 from openmla.hf.families import FAMILIES, REFUSED  # noqa: E402
-from test_hf_generate import load, one_thread, save_tiny  # noqa: E402,F401  (one_thread: autouse fixture)
+from test_hf_generate import load, save_tiny  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def flat(text: str) -> str:

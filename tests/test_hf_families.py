@@ -21,7 +21,9 @@ from openmla.hf import attach, detach, generate, is_attached  # noqa: E402
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import FAMILIES, REFUSED  # noqa: E402
 from openmla.hf.presets import PRESETS  # noqa: E402
-from test_hf_generate import NEW, TOL, one_thread, prompts_for, run_stream, transformers_greedy  # noqa: E402,F401
+from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_greedy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # DeepSeek-V2, V3 and V3.2 have their own, wider tests (test_hf_generate.py)
 CASES = [name for name in PRESETS if name not in ("deepseek_v2", "deepseek_v3", "deepseek_v32")]

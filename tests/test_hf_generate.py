@@ -30,13 +30,7 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_posi
             beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)  # mscale != mscale_all_dim: cos/sin carry a magnitude
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is as fast, and does not stall when another process takes a core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices
 
 
 def tiny_config(kind: str, *, q_lora: bool, moe: bool, yarn: bool, interleave: bool = True, layers: int = 2):

@@ -18,7 +18,9 @@ transformers = pytest.importorskip("transformers")
 from cases import rel_err  # noqa: E402
 from openmla.hf import GenerationStats, Limits, attach, attachment, detach, generate, is_attached, presets  # noqa: E402
 from openmla.hf.hybrid import LINEAR_KWARG, AttachedLinearAttention, LinearStates  # noqa: E402
-from test_hf_generate import NEW, one_thread, prompts_for, transformers_greedy  # noqa: E402,F401
+from test_hf_generate import NEW, prompts_for, transformers_greedy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["bailing_hybrid", "kimi_linear"])

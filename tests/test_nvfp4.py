@@ -35,13 +35,7 @@ WIDTH = {"nvfp4_ds_mla": 432, "nvfp4_fp8rope": 352}
 L, R = 512, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small per-token ops: one thread is as fast, and does not stall when another process takes a core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small per-token ops
 
 
 # An independent quantiser, from the documented layout ------------------------------------------

@@ -82,25 +82,25 @@ class Backend:
                     kv_norm_gamma: torch.Tensor, epsilon: float, interleaved: bool) -> torch.Tensor:
         """Store RMSNorm(kv[:, :L]) * gamma and RoPE(kv[:, L:]) at ``plan.write_rows`` of layer
         ``layer_idx``; return q ``[T, H, Dn+R]`` with its rope part rotated at ``plan.token_pos``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"the {self.name} backend does not implement the write_cache kernel")
 
     def decode(self, plan: "PlanView", layer_idx: int, q_abs: torch.Tensor, spec: "AttentionSpec",
                kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed attention ``q_abs [T, H, L+R]`` over the cache -> ``out [T, H, L]``, ``lse [T, H]``
         (dense or ``spec.sparse``; split-KV by ``plan.num_partitions``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"the {self.name} backend does not implement the decode kernel")
 
     def prefill(self, plan: "PlanView", layer_idx: int, q_rot: torch.Tensor, w_k: torch.Tensor, w_uv: torch.Tensor,
                 spec: "AttentionSpec") -> tuple[torch.Tensor, torch.Tensor]:
         """Dense up-projected attention ``q_rot [T, H, Dn+R]`` -> ``out [T, H, Dv]``, ``lse [T, H]``,
         chunked by ``plan.chunks(buffer_size)`` (``spec.sparse`` is always None here: the plan
         routes sparse prefill through ``decode``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"the {self.name} backend does not implement the prefill kernel")
 
     def flare_mla_prefill(self, plan: "PlanView", layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           chunk: "ChunkRows", spec: "AttentionSpec", tile: "MlaConfigV2 | None") -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``; LSE over its keys."""
-        raise NotImplementedError
+        raise NotImplementedError(f"the {self.name} backend does not implement the flare_mla_prefill kernel")
 
     # Shared-KV entries (DeepSeek-V4: the value is the whole entry, sliding window + compressed keys)
     def supports_shared_kv(self, plan) -> Literal[True] | str:
