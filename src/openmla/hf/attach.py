@@ -30,6 +30,7 @@ from .families import Family, family_of
 from .hybrid import HybridLayers, check_linear, is_linear
 from .rope import RopeTable, rope_limit
 from .stats import AttentionClock
+from .text_only import TextOnlyGuard, media_token_ids
 from .v4 import _ATTR as V4_ATTR, attach_v4, detach_v4, is_v4
 
 _ATTR = "_openmla_attachment"
@@ -52,6 +53,15 @@ class Attachment:
     rope: RopeTable | None = None
     clock: AttentionClock | None = None  # time in the attention layers, while generate/stream record stats
     hybrid: HybridLayers | None = None  # a hybrid model's linear-attention layers and their per-sequence states
+    text_only: TextOnlyGuard | None = None  # a multimodal model run on text: refuses media inputs (Family.text_only)
+    media_tokens: dict | None = None  # {placeholder token id: config attribute}: refused in prompts
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        """``ValueError`` for a prompt the attached model does not run (a media placeholder of a text-only model)."""
+        if self.media_tokens:
+            from .text_only import check_prompts
+
+            check_prompts(prompts, self.media_tokens, self.family.model_classes[0])
 
 
 def decoder_layers(model: nn.Module, family: Family | None = None) -> nn.ModuleList:
@@ -207,8 +217,10 @@ def attach(
     for (parent, name, _), module in zip(slots, attached):
         setattr(parent, name, module)
     hybrid = HybridLayers.attach(family, hf_config, layers)
+    guard = TextOnlyGuard.install(family, model) if family.text_only is not None else None
     setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
-                                     family, int(hf_config.vocab_size), rope, clock, hybrid))
+                                     family, int(hf_config.vocab_size), rope, clock, hybrid, guard,
+                                     media_token_ids(family, model)))
     return cache
 
 
@@ -221,6 +233,8 @@ def detach(model: nn.Module) -> None:
         setattr(parent, name, module)
     if state.hybrid is not None:
         state.hybrid.detach()
+    if state.text_only is not None:
+        state.text_only.remove()
     if state.previous_attn_implementation is not None:
         _set_attn_implementation(model, state.family, state.previous_attn_implementation)
     delattr(model, _ATTR)

@@ -103,6 +103,7 @@ def stream(
         raise ValueError(f"limits: expected an openmla.hf.Limits, got {type(limits).__name__}")
     cache = state.cache
     checked = _check_prompts(prompts, state.vocab_size, cache.num_pages * cache.page_size, max_new_tokens, state.rope.limit)
+    state.check_prompts(checked)  # a text-only multimodal model: no media placeholder tokens
     return _run(model, checked, max_new_tokens, sampling, _eos_set(eos_token_id), limits, stats, return_logits)
 
 

@@ -43,6 +43,8 @@ PRESETS: dict[str, Preset] = {
     "axk2": Preset("AXK2ForCausalLM", "AXK2Config", dict(gated_norm_rank=8), topk=True),
     "glm_moe_dsa": Preset("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", dict(first_k_dense_replace=1), topk=True),
     "hy_v4": Preset("HYV4ForCausalLM", "HYV4Config", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
+    # text only; a tiny vision tower (never run: pixel values are refused); the placeholder ids stay transformers' (past the vocab)
+    "hy_v4_vl": Preset("HYV4VLForConditionalGeneration", "HYV4VLConfig", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
     # num_hidden_layers counts MLA blocks (2 per decoder layer); its own MoE with zero experts
     "longcat_flash": Preset("LongcatFlashForCausalLM", "LongcatFlashConfig",
                             dict(num_hidden_layers=4, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4,
@@ -89,6 +91,12 @@ def family_config(name: str, size: str = "test", **overrides: Any) -> Any:
         text = dict(model_type="deepseek_v3", **kwargs, q_lora_rank=1536, rope_interleave=True)
         vision = dict(_VISION)
         return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32, **_IDS)
+    if name == "hy_v4_vl":
+        kwargs.setdefault("indexer_types", ["full", "shared"] * (kwargs["num_hidden_layers"] // 2))
+        media = {k: kwargs.pop(k) for k in ("image_token_id", "video_token_id") if k in kwargs}
+        vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=4,
+                      max_image_size=64, out_hidden_size=kwargs["hidden_size"])
+        return transformers.HYV4VLConfig(text_config=kwargs, vision_config=vision, **media, **_IDS)
     return getattr(transformers, p.config_class)(**kwargs)
 
 

@@ -11,9 +11,9 @@ from typing import Any
 from .axk import AXK1, AXK2
 from .bailing import BAILING_HYBRID
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
-from .family import Family, IndexerSpec
+from .family import Family, IndexerSpec, TextOnly
 from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
-from .hunyuan import HY_V4
+from .hunyuan import HY_V4, HY_V4_VL
 from .kimi import KIMI_LINEAR
 from .longcat import LONGCAT_FLASH
 from .minicpm3 import MINICPM3
@@ -23,11 +23,11 @@ from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
-    HY_V4, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR,
+    HY_V4, HY_V4_VL, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 
-__all__ = ["FAMILIES", "REFUSED", "Family", "IndexerSpec", "Refused", "family_of"]
+__all__ = ["FAMILIES", "REFUSED", "Family", "IndexerSpec", "Refused", "TextOnly", "family_of"]
 
 
 def family_of(model: Any) -> Family:

@@ -33,6 +33,24 @@ class IndexerSpec:
     scale_in_weights: bool = False
 
 
+@dataclass(frozen=True)
+class TextOnly:
+    """A multimodal model run on its text alone (``openmla.hf.text_only``).
+
+    - ``media_inputs``: forward keywords of the top-level model that carry images or videos (or
+      embeddings that may hold them); any of them not None is refused;
+    - ``media_tokens``: attributes of the top-level config naming the placeholder token ids that
+      stand for an image or video; a prompt holding one is refused;
+    - ``position_streams``: the model's rope reads that many position streams per token (M-RoPE: 3);
+      position ids ``[streams, B, T]`` (``[1 + streams, B, T]`` with a leading text axis) are refused
+      unless every stream equals the first, the only case the rope table (one position per token) holds.
+    """
+
+    media_inputs: tuple[str, ...]
+    media_tokens: tuple[str, ...] = ()
+    position_streams: int = 1
+
+
 # A config check: (transformers text config) -> a problem in words, or None.
 ConfigCheck = Callable[[Any], "str | None"]
 # A query scale rule: (transformers text config) -> (positions int64 [T]) -> float factor [T] on q.
@@ -69,6 +87,8 @@ class Family:
     - ``linear_attention``: the class of a hybrid model's linear-attention layers (decoder layers whose
       ``self_attn`` is that class instead of ``attention_class``); they stay transformers' code, run on each
       sequence of a step with that sequence's own state (``openmla.hf.hybrid``); None: every layer is MLA;
+    - ``text_only``: a multimodal model whose text model is attached and run on token ids alone; what is
+      not text (pixel values, media placeholder tokens, position streams that differ) is refused;
     - ``extra_modules``: submodules beyond the MLA projections that the flags account for;
     - ``config_checks``: further checks of the config (allow-list of what the flags reproduce);
     - ``example``: a checkpoint of the family, for ``openmla models``.
@@ -92,6 +112,7 @@ class Family:
     sublayers: int = 1
     lora_scales: bool = False
     linear_attention: str | None = None
+    text_only: TextOnly | None = None
     extra_modules: tuple[str, ...] = ()
     config_checks: tuple[ConfigCheck, ...] = ()
     example: str = ""
@@ -147,6 +168,9 @@ class Family:
             out.append(f"{self.sublayers} MLA blocks per decoder layer")
         if self.lora_scales:
             out.append("scaled query and latent (mla_scale_q_lora, mla_scale_kv_lora)")
+        if self.text_only is not None:
+            out.append("text only" + (f" (M-RoPE, {self.text_only.position_streams} equal position streams)"
+                                      if self.text_only.position_streams > 1 else ""))
         if self.linear_attention is not None:
             out.append(f"linear-attention layers ({self.linear_attention}) with per-sequence state")
         return ", ".join(out)

@@ -26,13 +26,10 @@ _GLM5_NEXT = Refused("glm5_next", "MLA layers with R=0 (qk_rope_head_dim 0: open
                      "top-k indexer over pooled key groups (index_kpool keys pooled by a softmax gate, the picked pools "
                      "expanded to their tokens plus the open tail pool), which openmla's indexer does not have; its "
                      "linear-attention (KDA) layers would run per sequence (openmla.hf.hybrid)")
-_HY_V4_VL = Refused("hy_v4_vl", "multimodal rope (M-RoPE: three position streams per token), which the rope table "
-                    "indexed by one position cannot hold")
 
 REFUSED: dict[str, Refused] = {
     "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
     "Dots3NoteForCausalLM": _DOTS3,
     "Dots3NoteForConditionalGeneration": _DOTS3,
     "Glm5NextForConditionalGeneration": _GLM5_NEXT,
-    "HYV4VLForConditionalGeneration": _HY_V4_VL,
 }
