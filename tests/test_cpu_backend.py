@@ -98,16 +98,12 @@ def test_failed_build_falls_back_to_torch(monkeypatch):
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope"])
-def test_quantized_caches_plan_cpu_or_fall_back(cache_dtype):
-    """The fp8 formats run on the native kernels; the NVFP4 ones are declined with a reason and
-    run the torch backend."""
+def test_quantized_caches_plan_cpu(cache_dtype):
+    """The fp8 and NVFP4 formats run on the native kernels (NVFP4: tests/test_cpu_nvfp4.py)."""
     cfg = small_config(num_heads=2, L=512, R=64)
     case = make_case([5], [1], config=cfg, dtype=torch.float32, cache_dtype=cache_dtype)
     plan = openmla.plan(case.batch, scale=case.scale, backend="cpu")
-    if cache_dtype.startswith("fp8"):
-        assert plan.backend_name == "cpu" and plan.fallback_reason is None
-    else:
-        assert plan.backend_name == "torch" and cache_dtype in plan.fallback_reason
+    assert plan.backend_name == "cpu" and plan.fallback_reason is None
 
 
 def test_float64_runs_the_torch_backend():

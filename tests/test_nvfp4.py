@@ -4,11 +4,11 @@
   documented layout (its own e2m1/e4m3 rounding by nearest-value search, its own byte assembly).
 - The byte layout pinned on hand-made values: nibbles, scales (and their permutation), padding
   and rope bytes at known offsets.
-- Every backend that reads the formats (torch, reference, cpu through its torch fallback) against
+- Every backend that reads the formats (torch, reference, cpu's native kernels) against
   the float64 oracle reading the bytes the backend wrote; decode and prefill, ragged lengths with
   0 and 1, pages of 1, 16 and 64; NaN bytes in free pages never reach an output.
-- The dispatch seam: cpu declines (torch runs, recorded on the plan), triton declines (no fallback:
-  ValueError); shape validation names the argument.
+- The dispatch seam: cpu runs them natively (tests/test_cpu_nvfp4.py), triton declines (no
+  fallback: ValueError); shape validation names the argument.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def test_backend_against_the_oracle_on_the_stored_bytes(fmt, backend, new_lens, 
                      page_size=page_size)
     mine, theirs = case.clone_cache(), case.clone_cache()
     plan = openmla.plan(mine.batch, scale=case.scale, backend=backend)
-    assert plan.backend_name == ("torch" if backend == "cpu" else backend)
+    assert plan.backend_name == backend
     got, lse = plan.run(*mine.run_args(), return_lse=True)
     want, want_lse = oracle(case, mine.batch)
     assert rel_err(got, want) < 1e-5 and rel_err(lse, want_lse) < 1e-5, f"seed {case.seed}"
@@ -267,13 +267,13 @@ def test_nan_in_free_pages_and_unused_rows_does_not_leak(fmt, backend, monkeypat
 
 # The dispatch seam and validation ----------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_falls_back_to_torch_and_triton_refuses(fmt):
+def test_cpu_runs_them_and_triton_refuses(fmt):
     from openmla.backends.cpu import available
 
     case = make_case([4], [1], config=small_config(2, L, R, 16, 16), cache_dtype=fmt)
     if available():  # where the native kernels build (else plan(backend="cpu") says they are unavailable)
         plan = openmla.plan(case.batch, scale=case.scale, backend="cpu")
-        assert plan.backend_name == "torch" and plan.fallback_reason == f"cpu declined: it cannot read a {fmt} cache"
+        assert plan.backend_name == "cpu" and plan.fallback_reason is None
     pytest.importorskip("triton")
     with pytest.raises(ValueError, match=f"^backend: the triton backend cannot run this step: it cannot read a {fmt} cache"):
         openmla.plan(case.batch, scale=case.scale, backend="triton")

@@ -5,18 +5,18 @@ pages, page table, host lengths, the prefill chunk plan) and calls ``kernels``.
 
 | primitive | work |
 |---|---|
-| ``write_cache`` | one native pass: RMSNorm, RoPE, paged store (fp8 quantised), q's rope |
-| ``decode`` | one native call (dense or sparse, split-KV, sinks; fp8 dequantised in the kernel, next to |
-| | the products for dense float32 units on AVX2 CPUs: ``csrc/decode_reg.h``) |
+| ``write_cache`` | one native pass: RMSNorm, RoPE, paged store (fp8 / NVFP4 quantised), q's rope |
+| ``decode`` | one native call (dense or sparse, split-KV, sinks; fp8 and NVFP4 dequantised in the kernel, |
+| | next to the products for dense float32 units on AVX2 CPUs: ``csrc/decode_reg.h``) |
 | ``prefill`` | dense: per chunk of the plan, a native gather, two torch matmuls (K/V up-projection) |
 | | and native flash attention (sparse prefill reaches ``decode`` through the plan) |
 | ``flare_mla_prefill`` | a native gather of the rope rows and native flash attention |
 | ``absorb`` / ``unabsorb`` | one native call each (per-head brgemm; the weight packed once and cached) |
 
 What it runs is decided once per step (``supports``): a CPU cache whose entries the kernels
-read (bfloat16, float16, float32, ``fp8_e4m3`` or ``fp8_ds_mla``; rows contiguous; an even entry
-width). A float64 cache, an NVFP4 one, or one elsewhere, is declined and ``openmla.plan`` runs the
-``torch`` backend instead (recorded on the plan). Per call, inputs the kernels cannot compute with (float64, an
+read (bfloat16, float16, float32, ``fp8_e4m3``, ``fp8_ds_mla``, ``nvfp4_ds_mla`` or
+``nvfp4_fp8rope``; rows contiguous; an even entry width). A float64 cache, or one elsewhere, is
+declined and ``openmla.plan`` runs the ``torch`` backend instead (recorded on the plan). Per call, inputs the kernels cannot compute with (float64, an
 odd width they reduce over) are a ``ValueError`` naming the argument, never a silent detour.
 ``absorb``/``unabsorb`` use the base class's (``openmla.combine``) for mixed, float16 or float64
 dtypes, autograd and ``torch.compile``.
@@ -73,7 +73,7 @@ def _heads_native(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
 
 class CpuBackend(Backend):
     name = "cpu"
-    cache_formats = FP8_FORMATS  # its kernels' format codes; NVFP4 records are declined and run on the torch fallback
+    cache_formats = FP8_FORMATS + ("nvfp4_ds_mla", "nvfp4_fp8rope")  # its kernels' format codes (kernels.FORMAT_CODES)
     fallback = "torch"
 
     @classmethod

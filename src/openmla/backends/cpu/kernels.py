@@ -4,7 +4,7 @@ No ``CacheBatch`` here: a paged cache layer is described by :class:`PagedLayer`.
 are assumed validated (``openmla.validate``); these wrappers only put tensors in the layouts
 the kernels read (compute dtype, contiguity, int32 indices).
 
-Compute types: bfloat16 when the inputs are bfloat16 (or fp8 caches with a bfloat16 query)
+Compute types: bfloat16 when the inputs are bfloat16 (or fp8 / NVFP4 caches with a bfloat16 query)
 and the CPU runs bf16 brgemm, float32 otherwise (float16 and float32 inputs). float64 is not
 taken (:func:`compute_dtype` returns None; the adapter falls back to the torch backend).
 """
@@ -24,7 +24,8 @@ __all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dty
 
 MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
               MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
-FORMAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, "fp8_e4m3": 3, "fp8_ds_mla": 4}
+FORMAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, "fp8_e4m3": 3, "fp8_ds_mla": 4, "nvfp4_ds_mla": 5,
+                "nvfp4_fp8rope": 6}
 
 _bf16_gemm: list[bool] = []
 
@@ -62,8 +63,8 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype | None:
 class PagedLayer:
     """One layer of a paged latent cache and the batch's page table.
 
-    ``pages [num_pages, page_size, W]`` (rows contiguous; W = L+R values, or the fp8_ds_mla
-    record bytes), ``block_table`` int32 ``[B, max_pages]``, ``cache_lengths`` int32 ``[B]``,
+    ``pages [num_pages, page_size, W]`` (rows contiguous; W = L+R values, or the fp8_ds_mla /
+    NVFP4 record bytes), ``block_table`` int32 ``[B, max_pages]``, ``cache_lengths`` int32 ``[B]``,
     ``offsets`` int32 ``[B+1]`` (query rows per sequence), ``fmt`` a ``FORMAT_CODES`` value,
     ``kv_scale`` the fp8_e4m3 scale of this layer.
     """
@@ -143,7 +144,7 @@ def heads_gemm(x: torch.Tensor, packed: torch.Tensor, m: int, k: int) -> torch.T
 def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamma: torch.Tensor, cache: PagedLayer, *,
                 epsilon: float, interleaved: bool) -> torch.Tensor:
     """One pass over the new tokens: RMSNorm(kv[:, :L]) * gamma and RoPE(kv[:, L:]) stored at each
-    token's row of ``cache`` (quantised for fp8 formats); returns q ``[T, H, Dn+R]`` (q's dtype,
+    token's row of ``cache`` (quantised for the fp8 and NVFP4 formats); returns q ``[T, H, Dn+R]`` (q's dtype,
     bf16/fp16/fp32) with its rope part rotated. Token i of sequence b sits at
     ``cache_lengths[b] + i``."""
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()

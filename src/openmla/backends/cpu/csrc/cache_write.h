@@ -1,9 +1,10 @@
 // The per-token cache write in one pass: RMSNorm of the latent, RoPE of the key rope part, the
-// store at the token's physical row (quantised for the fp8 formats), and q's rope rotation.
+// store at the token's physical row (quantised for the fp8 and NVFP4 formats), and q's rope rotation.
 //
 // The entry is computed in float64 (as the float64 reference) and rounded once to the cache
 // type; fp8_e4m3 stores round(float32(entry) / kv_scale), fp8_ds_mla quantises each group of
-// 128 latent values by its amax / 448 and keeps the rope part in bfloat16 (openmla.fp8).
+// 128 latent values by its amax / 448 and keeps the rope part in bfloat16 (openmla.fp8); the
+// NVFP4 records quantise the float32 entry as openmla.nvfp4 does (store_nvfp4).
 // q's rope part is rotated in float32.
 #pragma once
 
@@ -59,8 +60,59 @@ inline uint8_t fp8_bits(float x) {
   return c10::Float8_e4m3fn(c).x;
 }
 
+// float -> e4m3 byte as torch converts: nearest even, saturating at +-448, NaN kept.
+inline uint8_t fp8_bits_nan(float x) { return std::isnan(x) ? c10::Float8_e4m3fn(x).x : fp8_bits(x); }
+
+// float -> e2m1 code: nearest, ties to the even code, saturating at +-6, the sign bit kept (-0.1
+// -> 8); NaN -> 0 or 8 (openmla.nvfp4.e2m1_encode: its midpoint comparisons, one per code step).
+inline uint8_t e2m1_code(float x) {
+  const float v = std::fabs(x);
+  const int c = (v > 0.25f) + (v >= 0.75f) + (v > 1.25f) + (v >= 1.75f) + (v > 2.5f) + (v >= 3.5f) + (v > 5.f);
+  return (uint8_t)(c | (std::signbit(x) ? 8 : 0));
+}
+
 struct CacheWriter {
   const WriteArgs& a;
+
+  // An NVFP4 record from the float32 entry x [576] (openmla.nvfp4's recipes, in float32 as it
+  // computes them): per group of 16 the e4m3 scale (nvfp4_ds_mla: e4m3(amax * fp32(1/6));
+  // nvfp4_fp8rope: e4m3(max(amax / 6, 2^-9)), bumped up one step when it lands below), then
+  // e2m1(x * fp32(1 / scale)) (0 times x for a zero or NaN scale); a group with a NaN gets the
+  // NaN scale. The rope part in bf16 (nvfp4_ds_mla) or e4m3 (nvfp4_fp8rope).
+  void store_nvfp4(uint8_t* dst, const float* x) const {
+    const bool ds = a.cache.fmt == FMT_NVFP4_DS;
+    const float* tab = e4m3_table();
+    for (int64_t g = 0; g < NV_GROUPS; ++g) {
+      const float* v = x + NV_GROUP * g;
+      float amax = 0.f;
+      bool nan = false;
+      for (int64_t i = 0; i < NV_GROUP; ++i) {
+        nan |= std::isnan(v[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      uint8_t sb;
+      if (nan) {
+        sb = 0x7F;
+      } else if (ds) {
+        sb = fp8_bits(amax * (1.f / 6.f));
+      } else {
+        const float target = std::max(amax / 6.f, tab[0x01]);  // the floor: e4m3's smallest value, 2^-9
+        sb = fp8_bits(target);
+        if (tab[sb] < target && sb < 0x7E) ++sb;  // positive e4m3 bytes are ordered as their values
+      }
+      const float dec = tab[sb];
+      const float inv = dec > 0.f ? 1.f / dec : 0.f;
+      for (int64_t i = 0; i < NV_GROUP / 2; ++i)
+        dst[8 * g + i] = (uint8_t)(e2m1_code(v[2 * i] * inv) | (e2m1_code(v[2 * i + 1] * inv) << 4));
+      dst[nv_scale_at(a.cache.fmt, g)] = sb;
+    }
+    if (ds) {
+      std::memset(dst + NV_DS_SCALES + NV_GROUPS, 0, NV_DS_ROPE - NV_DS_SCALES - NV_GROUPS);
+      convert_row(x + NV_LATENT, reinterpret_cast<BFloat16*>(dst + NV_DS_ROPE), NV_ROPE);
+    } else {
+      for (int64_t j = 0; j < NV_ROPE; ++j) dst[NV_FR_ROPE + j] = fp8_bits_nan(x[NV_LATENT + j]);
+    }
+  }
 
   // (cos, sin) of rope pair i at position p.
   std::pair<double, double> cos_sin(int64_t p, int64_t i) const {
@@ -120,6 +172,8 @@ struct CacheWriter {
       case FMT_E4M3:
         for (int64_t j = 0; j < W; ++j) dst[j] = fp8_bits(tmp[j] / a.cache.kv_scale);
         break;
+      case FMT_NVFP4_DS:
+      case FMT_NVFP4_FP8ROPE: store_nvfp4(dst, tmp); break;
       default: {  // fp8_ds_mla
         for (int64_t g = 0; g < L / DS_GROUP; ++g) {
           float amax = 0.f;

@@ -355,7 +355,7 @@ struct DecodeKernel {
     }
   }
 
-  // Whether this unit runs decode_reg.h's tiles: float32 products over a dense fp8 cache, in an
+  // Whether this unit runs decode_reg.h's tiles: float32 products over a dense fp8 or NVFP4 cache, in an
   // AVX2 + FMA + F16C build without AVX-512 (sparse units gather their listed rows into the key
   // buffer).
   bool reg_dequant() const {
@@ -363,13 +363,14 @@ struct DecodeKernel {
 #if defined(OPENMLA_TEST_HOOKS)
     if (!reg_dequant_switch().load(std::memory_order_relaxed)) return false;
 #endif
-    return std::is_same_v<T, float> && a.sparse == nullptr && (a.cache.fmt == FMT_E4M3 || a.cache.fmt == FMT_DS_MLA);
+    return std::is_same_v<T, float> && a.sparse == nullptr &&
+           (a.cache.fmt == FMT_E4M3 || a.cache.fmt == FMT_DS_MLA || is_nvfp4(a.cache.fmt));
 #else
     return false;
 #endif
   }
 
-  // Dense keys of an fp8 cache in blocks, dequantised next to the products (decode_reg.h).
+  // Dense keys of an fp8 or NVFP4 cache in blocks, dequantised next to the products (decode_reg.h).
   void walk_dense_reg(Unit& w, int64_t ldq) const {
 #if defined(OPENMLA_REG_DEQUANT)
     if constexpr (std::is_same_v<T, float>) {
@@ -379,11 +380,12 @@ struct DecodeKernel {
       const DecodeUnit& u = w.u;
       const int64_t D = a.D, L = this->L(), M = w.M;
       const int64_t ldk = round_up(D, 8);
+      const bool nv = is_nvfp4(a.cache.fmt);  // stripes built with their scales: no P^T copies
       const int64_t groups = a.cache.fmt == FMT_DS_MLA ? L / DS_GROUP : 1, group_w = L / groups;
       const int64_t stored = a.cache.stored_bytes();
       const float score_scale = a.cache.fmt == FMT_E4M3 ? a.scale * E4M3_PANEL_SCALE : a.scale;  // the panel's 2^-8
       float* panel = scratch<float>(S_STAGE, SCORE_KR * ldk);
-      float* PTg = scratch<float>(S_KEYS, groups * w.n_max * M);  // P^T times each group's factor
+      float* PTg = nv ? nullptr : scratch<float>(S_KEYS, groups * w.n_max * M);  // P^T times each group's factor
       float* factor = scratch<float>(S_VPACK, round_up(w.n_max, 16) + 16 * w.n_max);
       float* Vs = factor + round_up(w.n_max, 16);  // the V stripe, 64-byte aligned as the slot
       const uint8_t** rows = scratch<const uint8_t*>(S_KPACK, w.n_max);
@@ -407,6 +409,14 @@ struct DecodeKernel {
         }
         block_columns(w, kb);
         softmax_keys_major<T>(w.S, M, n, round_up(n, 32), w.c0, w.c1, score_scale, w.ref, w.sum, w.O, L, L, w.PT, w.P);
+        if (nv) {  // one 16-column stripe per latent group, its keys' scales applied
+          for (int64_t g = 0; g < NV_GROUPS; ++g) {
+            v_stripe_nvfp4(a.cache.fmt, rows, g, n, Vs);
+            pv_stripe(Vs, w.PT, M, n, w.O + NV_GROUP * g, L);
+          }
+          pos = kb.b;
+          continue;
+        }
         for (int64_t g = 0; g < groups; ++g) {
           for (int64_t r = 0; r < n; ++r) factor[r] = pv_factor(a.cache, rows[r], g);
           float* pg = PTg + g * n * M;

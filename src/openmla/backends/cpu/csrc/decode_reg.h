@@ -14,6 +14,12 @@
 //           per-group float32 scale are folded into P^T (one scaled copy per 128-value group).
 // The whole key block is never widened: the stored bytes are read twice (scores, then P x V,
 // from L2: a 256-key block of 656-byte records is 168 KB), each value converted once per pass.
+//
+// NVFP4 records (nvfp4_ds_mla, nvfp4_fp8rope) take the same tiles: the score panel row is the
+// record's exact values (e2m1 nibbles through a 16-entry vpshufb table to int8, widened, times
+// half the group's e4m3 scale; the rope part as stored), and a latent group is exactly a 16-column
+// V stripe, so each stripe is built with its keys' scales already applied (exact products) and
+// P^T is used as it is.
 #pragma once
 
 #include "softmax.h"
@@ -128,16 +134,14 @@ inline void pv_tile(const float* Vs, const float* PT, int64_t ldp, int64_t n, fl
   }
 }
 
-// Every query row's P x V over latent columns [l0, l0 + 16): the stripe converted once, then
-// near-equal groups of at most PV_MR rows.
-inline void pv_rows(const uint8_t* const* rows, int64_t l0, const float* PT, int64_t M, int64_t n, float* O, int64_t L,
-                    float* Vs) {
-  v_stripe(rows, l0, n, Vs);
+// Every query row's P x V over the 16 latent columns of the stripe Vs [n][16] (O points at the
+// stripe's first column of row 0, rows L apart): near-equal groups of at most PV_MR rows.
+inline void pv_stripe(const float* Vs, const float* PT, int64_t M, int64_t n, float* O, int64_t L) {
   const int64_t groups = ceil_div(M, PV_MR);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t m0 = M * g / groups;
     const float* p = PT + m0;
-    float* o = O + m0 * L + l0;
+    float* o = O + m0 * L;
     switch (M * (g + 1) / groups - m0) {
       case 6: pv_tile<6>(Vs, p, M, n, o, L); break;
       case 5: pv_tile<5>(Vs, p, M, n, o, L); break;
@@ -147,6 +151,40 @@ inline void pv_rows(const uint8_t* const* rows, int64_t l0, const float* PT, int
       default: pv_tile<1>(Vs, p, M, n, o, L); break;
     }
   }
+}
+
+// Every query row's P x V over latent columns [l0, l0 + 16) of an fp8 cache: the stripe
+// converted once, then pv_stripe.
+inline void pv_rows(const uint8_t* const* rows, int64_t l0, const float* PT, int64_t M, int64_t n, float* O, int64_t L,
+                    float* Vs) {
+  v_stripe(rows, l0, n, Vs);
+  pv_stripe(Vs, PT, M, n, O + l0, L);
+}
+
+// NVFP4 V stripe: latent group g (columns [16g, 16g + 16)) of n key rows as their exact values,
+// e2m1 times the e4m3 scale, with a NaN scale read as 0 (a key the query does not see has P = 0
+// and must add 0; a visible one already made its scores NaN). Vs [n][16], 32-byte aligned.
+inline void v_stripe_nvfp4(int64_t fmt, const uint8_t* const* rows, int64_t g, int64_t n, float* Vs) {
+  const float* tab = e4m3_table(/*finite=*/true);
+  const int64_t at = nv_scale_at(fmt, g);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m128i c = e2m1x16_twice(rows[j] + 8 * g);
+    const __m256 half = _mm256_set1_ps(0.5f * tab[rows[j][at]]);
+    _mm256_store_ps(Vs + 16 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), half));
+    _mm256_store_ps(Vs + 16 * j + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(c, c))), half));
+  }
+}
+
+// NVFP4 score panel row: the record's 576 values, exact (NaN scales kept).
+inline void panel_row_nvfp4(int64_t fmt, const uint8_t* src, float* dst) {
+  nvfp4_latent(fmt, src, dst);
+  if (fmt == FMT_NVFP4_DS) {
+    for (int64_t j = 0; j < NV_ROPE; j += 8) _mm256_storeu_ps(dst + NV_LATENT + j, bf16x8_float(src + NV_DS_ROPE + 2 * j));
+    return;
+  }
+  const __m256 up = _mm256_set1_ps(256.f);  // undoes e4m3x8_scaled_down's 2^-8 (exact; NaN kept)
+  for (int64_t j = 0; j < NV_ROPE; j += 8)
+    _mm256_storeu_ps(dst + NV_LATENT + j, _mm256_mul_ps(e4m3x8_scaled_down(src + NV_FR_ROPE + j), up));
 }
 
 // Whether any of the n fp8 bytes at src is a NaN (0x7f / 0xff).
@@ -185,6 +223,7 @@ inline void panel_e4m3(const uint8_t* src, float up, float* dst, int64_t n) {
 // A row holding a NaN byte goes through dequant_fp8, which keeps it.
 constexpr float E4M3_PANEL_SCALE = 256.f;
 inline void panel_row(const PagedCache& c, const uint8_t* src, float* dst) {
+  if (is_nvfp4(c.fmt)) return panel_row_nvfp4(c.fmt, src, dst);
   const bool nan = has_e4m3_nan(src, c.fmt == FMT_E4M3 ? c.L + c.R : c.L);
   if (c.fmt == FMT_E4M3) {
     if (nan) dequant_fp8(src, 1.f / E4M3_PANEL_SCALE, dst, c.L + c.R);

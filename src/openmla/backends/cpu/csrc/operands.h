@@ -148,10 +148,96 @@ inline void fp8_to_exact(const uint8_t* src, T* dst, int64_t n) {
   if (j < n) dequant_fp8(src + j, 1.f, dst + j, n - j);
 }
 
-// Cache formats (openmla.fp8): native entries, fp8_e4m3 (entry / kv_scale), or fp8_ds_mla
-// records (L fp8 latent values, L/128 float32 scales, R bfloat16 rope values).
-enum CacheFormat : int64_t { FMT_BF16 = 0, FMT_F16 = 1, FMT_F32 = 2, FMT_E4M3 = 3, FMT_DS_MLA = 4 };
+// Cache formats (openmla.fp8, openmla.nvfp4): native entries, fp8_e4m3 (entry / kv_scale),
+// fp8_ds_mla records (L fp8 latent values, L/128 float32 scales, R bfloat16 rope values), or the
+// two NVFP4 records (L = 512, R = 64 only; see the NVFP4 section below).
+enum CacheFormat : int64_t {
+  FMT_BF16 = 0, FMT_F16 = 1, FMT_F32 = 2, FMT_E4M3 = 3, FMT_DS_MLA = 4, FMT_NVFP4_DS = 5, FMT_NVFP4_FP8ROPE = 6,
+};
 constexpr int64_t DS_GROUP = 128;
+
+// NVFP4 records (openmla.nvfp4) ----------------------------------------------------------
+// The latent as 512 e2m1 codes, two per byte (value 2i in the LOW nibble of byte i), one e4m3
+// scale per 16 values (value = e2m1 * scale, exact in float32 and in bf16), then:
+//   nvfp4_ds_mla (432 bytes): scales at [256, 288) in group order, 16 zero bytes, 64 bf16 rope
+//                             values at [304, 432);
+//   nvfp4_fp8rope (352 bytes): 64 e4m3 rope values (unscaled) at [256, 320), the scales at
+//                             [320, 352), group g's at byte 320 + 8 * (g & 3) + (g >> 2).
+constexpr int64_t NV_LATENT = 512, NV_ROPE = 64, NV_GROUP = 16, NV_GROUPS = NV_LATENT / NV_GROUP, NV_DATA = NV_LATENT / 2;
+constexpr int64_t NV_DS_SCALES = NV_DATA, NV_DS_ROPE = NV_DATA + NV_GROUPS + 16, NV_DS_BYTES = NV_DS_ROPE + 2 * NV_ROPE;
+constexpr int64_t NV_FR_ROPE = NV_DATA, NV_FR_SCALES = NV_DATA + NV_ROPE, NV_FR_BYTES = NV_FR_SCALES + NV_GROUPS;
+
+inline bool is_nvfp4(int64_t fmt) { return fmt == FMT_NVFP4_DS || fmt == FMT_NVFP4_FP8ROPE; }
+
+// Byte offset of group g's e4m3 scale within a record.
+inline int64_t nv_scale_at(int64_t fmt, int64_t g) {
+  return fmt == FMT_NVFP4_DS ? NV_DS_SCALES + g : NV_FR_SCALES + 8 * (g & 3) + (g >> 2);
+}
+
+// The float value of every e4m3 byte (NaN for 0x7f / 0xff); ``finite``: NaN bytes read as 0 (for
+// P x V, where a key the query does not see must add 0: a visible NaN scale already made the
+// key's scores NaN).
+inline const float* e4m3_table(bool finite = false) {
+  struct Tables {
+    float exact[256], fin[256];
+    Tables() {
+      for (int b = 0; b < 256; ++b) {
+        exact[b] = fp8_to_float((uint8_t)b);
+        fin[b] = std::isnan(exact[b]) ? 0.f : exact[b];
+      }
+    }
+  };
+  static const Tables t;
+  return finite ? t.fin : t.exact;
+}
+
+// e2m1 code -> value (bit 3 the sign).
+constexpr float E2M1_VALUES[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+#if defined(OPENMLA_AVX2_FP8)
+// The 16 codes of one group (8 bytes at src) as int8 twice their values (-12 .. 12), in value
+// order: the nibbles split and interleaved, then one vpshufb through a 16-entry table.
+inline __m128i e2m1x16_twice(const uint8_t* src) {
+  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  return _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+}
+// One group's 16 values as floats, times ``half`` (half the group's scale): exact.
+inline void e2m1x16_store(const uint8_t* src, __m256 half, float* dst) {
+  const __m128i c = e2m1x16_twice(src);
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), half));
+  _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(c, c))), half));
+}
+#endif
+
+// A record's 512 latent values as floats (a NaN scale makes its group NaN, as the reference).
+inline void nvfp4_latent(int64_t fmt, const uint8_t* src, float* dst) {
+  const float* tab = e4m3_table();
+  for (int64_t g = 0; g < NV_GROUPS; ++g) {
+    const float s = tab[src[nv_scale_at(fmt, g)]];
+#if defined(OPENMLA_AVX2_FP8)
+    e2m1x16_store(src + 8 * g, _mm256_set1_ps(0.5f * s), dst + NV_GROUP * g);
+#else
+    for (int64_t i = 0; i < NV_GROUP / 2; ++i) {
+      const uint8_t b = src[8 * g + i];
+      dst[NV_GROUP * g + 2 * i] = E2M1_VALUES[b & 0xF] * s;
+      dst[NV_GROUP * g + 2 * i + 1] = E2M1_VALUES[b >> 4] * s;
+    }
+#endif
+  }
+}
+
+// A record's 64 rope values as floats (bf16, or e4m3 unscaled).
+inline void nvfp4_rope(int64_t fmt, const uint8_t* src, float* dst) {
+  if (fmt == FMT_NVFP4_DS) {
+    convert_row(reinterpret_cast<const BFloat16*>(src + NV_DS_ROPE), dst, NV_ROPE);
+    return;
+  }
+  const float* tab = e4m3_table();
+  for (int64_t j = 0; j < NV_ROPE; ++j) dst[j] = tab[src[NV_FR_ROPE + j]];
+}
 
 struct PagedCache {
   const uint8_t* base = nullptr;  // one layer's storage
@@ -172,6 +258,8 @@ struct PagedCache {
       case FMT_BF16: case FMT_F16: return 2 * (L + R);
       case FMT_F32: return 4 * (L + R);
       case FMT_E4M3: return L + R;
+      case FMT_NVFP4_DS: return NV_DS_BYTES;
+      case FMT_NVFP4_FP8ROPE: return NV_FR_BYTES;
       default: return L + 4 * (L / DS_GROUP) + 2 * R;
     }
   }
@@ -192,6 +280,14 @@ struct PagedCache {
         if (e4m3_unscaled) fp8_to_exact(src + c0, dst, c1 - c0);
         else dequant_fp8(src + c0, kv_scale, dst, c1 - c0);
         break;
+      case FMT_NVFP4_DS:
+      case FMT_NVFP4_FP8ROPE: {  // the record decoded whole (exact in float32 and bf16), the columns kept
+        alignas(64) float row[NV_LATENT + NV_ROPE];
+        if (c0 < NV_LATENT) nvfp4_latent(fmt, src, row);
+        if (c1 > NV_LATENT) nvfp4_rope(fmt, src, row + NV_LATENT);
+        convert_row(row + c0, dst, c1 - c0);
+        break;
+      }
       default: {  // fp8_ds_mla
         const uint8_t* scales = src + L;
         for (int64_t g0 = c0; g0 < std::min(c1, L); g0 = (g0 / DS_GROUP + 1) * DS_GROUP) {
