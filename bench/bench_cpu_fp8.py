@@ -1,12 +1,14 @@
 """Decode from quantized caches on the native ``cpu`` backend: time against cache bytes (issue #23).
 
-Run: ``.venv/bin/python bench/bench_cpu_fp8.py [--rounds 5] [--heads 16 128] [--threads 2] [--widened] [--prefill]``
+Run: ``.venv/bin/python bench/bench_cpu_fp8.py [--rounds 5] [--heads 16 128] [--threads 2] [--widened] [--prefill]
+[--formats float32 bf16 ...]``
 
 Decode ``plan.decode`` (the absorbed form, a plan made once as an engine runs each layer):
 B=8 sequences x 4096 cached tokens + 1 new, L=512, R=64, pages of 64 handed out in a shuffled
 order, float32 queries (what an AVX2 CPU multiplies natively; bf16 inputs compute in float32
-there), per cache format: ``bf16`` (1152 bytes per token), ``fp8_e4m3`` (576), ``fp8_ds_mla``
-(656). Every format runs round-robin in a shuffled order, ``--rounds`` rounds:
+there), per cache format: ``float32`` (2304 bytes per token), ``bf16`` (1152), ``fp8_e4m3`` (576),
+``fp8_ds_mla`` (656), ``nvfp4_ds_mla`` (432), ``nvfp4_fp8rope`` (352). Every format runs round-robin
+in a shuffled order, ``--rounds`` rounds:
 
 - single-thread CPU time (``torch.set_num_threads(1)``, ``time.process_time``), which holds
   when other processes share the machine;
@@ -15,8 +17,9 @@ there), per cache format: ``bf16`` (1152 bytes per token), ``fp8_e4m3`` (576), `
 In the same run: copy bandwidth (bytes read plus written by a 256 MiB ``copy_``, CPU time on
 one thread and wall on ``--threads``) and the float32 matmul rate (1024^3, same two timings).
 Roofline time = max(FLOPs / matmul rate, cache bytes / copy bandwidth); FLOPs
-2*B*H*n*(576+512). ``--widened`` also times the fp8 formats on the path that widens each key
-block into a buffer first (the test build's switch; builds the test variant of the kernels).
+2*B*H*n*(576+512). Times are also given relative to bf16 and to float32. ``--widened`` also times
+the quantized formats on the path that widens each key block into a buffer first (the test
+build's switch; builds the test variant of the kernels).
 ``--prefill``: ``mla_prefill`` of 2 x 512 new tokens at H=16 per format (1 thread CPU time).
 JSON goes to ``bench/out/cpu_fp8.json`` (``--json``).
 """
@@ -39,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 OUT = Path(__file__).resolve().parent / "out"
 B, S, L, R, PAGE = 8, 4096, 512, 64, 64
-FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
+FORMATS = ("float32", "bf16", "fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope")
+NATIVE = {"float32": torch.float32, "bf16": torch.bfloat16}
 
 
 def decode_inputs(H: int, fmt: str, seed: int = 0):
@@ -53,12 +57,12 @@ def decode_inputs(H: int, fmt: str, seed: int = 0):
     pages = B * -(-(S + 1) // PAGE) + 4
     kv_scale = 0.05
     cache = openmla.PagedLatentCache(1, pages, page_size=PAGE, head_dim=L + R,
-                                     dtype=torch.bfloat16 if fmt == "bf16" else fmt, kv_scale=kv_scale)
+                                     dtype=NATIVE.get(fmt, fmt), kv_scale=kv_scale)
     g = torch.Generator().manual_seed(seed)
     cache.allocator._free = torch.randperm(pages, generator=g).tolist()
     entries = torch.randn(pages * PAGE, L + R, generator=g)
-    if fmt == "bf16":
-        stored = entries.bfloat16()
+    if fmt in NATIVE:
+        stored = entries.to(NATIVE[fmt])
     elif fmt == "fp8_e4m3":
         stored = quantize_e4m3(entries, kv_scale)
     else:
@@ -82,7 +86,7 @@ def prefill_inputs(fmt: str, n: int = 512, H: int = 16):
 
     cfg = small_config(num_heads=H, L=L, R=R, Dn=128, Dv=128)
     case = make_case([0, 0], [n, n], config=cfg, page_size=PAGE, dtype=torch.float32, seed=1,
-                     cache_dtype=None if fmt == "bf16" else fmt, kv_scale=0.05)
+                     cache_dtype=None if fmt in NATIVE else fmt, kv_scale=0.05)
     if fmt == "bf16":  # make_case's native cache is float32: the same entries in a bf16 cache
         case.batch = case.batch.with_blocks(case.cache.blocks.bfloat16())
     q = openmla.mla_write_cache(case.q, case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx, backend="cpu")
@@ -125,7 +129,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--widened", action="store_true", help="also the fp8 formats on the widening path (test build)")
+    ap.add_argument("--widened", action="store_true", help="also the quantized formats on the widening path (test build)")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--prefill", action="store_true", help="also prefill, 2 x 512 new tokens at H=16, per cache format")
     ap.add_argument("--json", default=str(OUT / "cpu_fp8.json"))
     args = ap.parse_args()
@@ -140,10 +145,10 @@ def main() -> None:
     results = {"uptime_before": uptime, "probes_before": probes(args.threads), "decode": {}}
     for H in args.heads:
         cases = {}
-        for fmt in FORMATS:
+        for fmt in args.formats:
             step, q, bpt = decode_inputs(H, fmt)
             cases[fmt] = (step, q, bpt, True)
-            if args.widened and fmt != "bf16":
+            if args.widened and fmt not in NATIVE:
                 cases[f"{fmt} widened"] = (step, q, bpt, False)
 
         def call(name):
@@ -175,7 +180,7 @@ def main() -> None:
                          **{k: {"best_ms": min(v) * 1e3, "median_ms": statistics.median(v) * 1e3} for k, v in t.items()}}
         results["decode"][f"H={H}"] = res
     if args.prefill:
-        fns = {fmt: prefill_inputs(fmt) for fmt in FORMATS}
+        fns = {fmt: prefill_inputs(fmt) for fmt in args.formats}
         torch.set_num_threads(1)
         for fn in fns.values():
             fn()
@@ -194,16 +199,17 @@ def main() -> None:
         bw = max(results[p][key]["copy_GBps"] for p in ("probes_before", "probes_after")) * 1e9
         rate = max(results[p][key]["matmul_fp32_GFLOPs"] for p in ("probes_before", "probes_after")) * 1e9
         print(f"\n{key}: copy {bw / 1e9:.1f} GB/s, fp32 matmul {rate / 1e9:.1f} GFLOP/s (best probes)")
-        print(f"{'shape':8s} {'cache':22s} {'bytes':>8s} {'best ms':>8s} {'median':>8s} {'vs bf16':>8s} "
+        print(f"{'shape':8s} {'cache':22s} {'bytes':>8s} {'best ms':>8s} {'median':>8s} {'vs bf16':>8s} {'vs fp32':>8s} "
               f"{'bytes time':>10s} {'flops time':>10s} {'of roofline':>11s}")
         for shape, res in results["decode"].items():
-            base = res["bf16"][key]["best_ms"]
+            base = res["bf16"][key]["best_ms"] if "bf16" in res else float("nan")
+            base32 = res["float32"][key]["best_ms"] if "float32" in res else float("nan")
             for name, r in res.items():
                 t_bytes, t_flops = r["bytes"] / bw * 1e3, r["flops"] / rate * 1e3
                 best = r[key]["best_ms"]
                 r[key]["roofline_fraction"] = max(t_bytes, t_flops) / best
                 print(f"{shape:8s} {name:22s} {r['bytes'] / 1e6:7.1f}M {best:8.2f} {r[key]['median_ms']:8.2f} "
-                      f"{best / base:8.2f} {t_bytes:9.2f}m {t_flops:9.2f}m {max(t_bytes, t_flops) / best:11.2f}")
+                      f"{best / base:8.2f} {best / base32:8.2f} {t_bytes:9.2f}m {t_flops:9.2f}m {max(t_bytes, t_flops) / best:11.2f}")
     OUT.mkdir(exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
 
