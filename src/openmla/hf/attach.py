@@ -5,8 +5,10 @@ every layer's attention module and the config against what that family's flags r
 difference is a ``ValueError`` naming the class and the feature, raised before the model is
 changed. After ``attach(model, num_pages=...)`` each decoder layer's ``self_attn`` (each entry of
 it, for a family with several MLA blocks per layer) is an ``AttachedAttention`` sharing the module's
-own submodules, and one ``PagedLatentCache`` serves all of them, one cache layer each. Embeddings, norms, MLP / MoE and ``lm_head`` stay transformers' code. The text model's
-attention implementation is switched to ``"openmla"`` (registered with transformers'
+own submodules, and one ``PagedLatentCache`` serves all of them, one cache layer each (a model
+whose layers differ in latent width, dots3, has one storage per width over the same pages, and a
+plan per distinct width, softmax scale and sliding window each step). Embeddings, norms, MLP / MoE
+and ``lm_head`` stay transformers' code. The text model's attention implementation is switched to ``"openmla"`` (registered with transformers'
 ``AttentionInterface``); transformers has no mask function under that name, so it builds no
 attention mask (no ``[T, T]`` tensor for a packed step). ``detach(model)`` puts the original
 modules and attention implementation back.
@@ -14,7 +16,7 @@ modules and attention implementation back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +57,10 @@ class Attachment:
     hybrid: HybridLayers | None = None  # a hybrid model's linear-attention layers and their per-sequence states
     text_only: TextOnlyGuard | None = None  # a multimodal model run on text: refuses media inputs (Family.text_only)
     media_tokens: dict | None = None  # {placeholder token id: config attribute}: refused in prompts
+    # Cache storage per latent width (caches[0] is ``cache``, whose page tables serve all), and the plans each
+    # step makes: (storage, softmax scale, sliding window or None); a layer runs plan_keys[layer.plan_index]
+    caches: list = field(default_factory=list)
+    plan_keys: list = field(default_factory=list)
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         """``ValueError`` for a prompt the attached model does not run (a media placeholder of a text-only model)."""
@@ -115,17 +121,58 @@ def _set_attn_implementation(model: nn.Module, family: Family, implementation: s
     model.set_attn_implementation(implementation if family.text_config is None else {family.text_config: implementation})
 
 
-def _checked(model: nn.Module) -> tuple[Family, Any, nn.ModuleList, MLAConfig, RopeTable]:
+@dataclass(frozen=True)
+class Checked:
+    """What ``attach`` read from a model, checked: per MLA attention module (cache-layer order) its
+    ``MLAConfig``, rope table and sliding window (None: causal)."""
+
+    family: Family
+    hf_config: Any
+    layers: nn.ModuleList
+    configs: list[MLAConfig]
+    ropes: list[RopeTable]
+    windows: list[int | None]
+
+
+def _checked(model: nn.Module) -> Checked:
     """Everything ``attach`` needs, checked; nothing on the model changes here. Every refusal is a
     ``ValueError`` naming the model class and what openmla.hf does not reproduce."""
     family = family_of(model)
     try:
-        return (family,) + _check_family_model(model, family)
+        return Checked(family, *_check_family_model(model, family))
     except ValueError as exc:
         raise ValueError(f"model: {type(model).__name__}: {exc}") from None
 
 
-def _check_family_model(model: nn.Module, family: Family) -> tuple[Any, nn.ModuleList, MLAConfig, RopeTable]:
+def _layer_type(hf_config: Any, index: int) -> str:
+    types = getattr(hf_config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or index >= len(types) or not isinstance(types[index], str):
+        raise ValueError(f"its config has no layer_types entry for layer {index} (the rope is chosen by layer type)")
+    return types[index]
+
+
+def _window(family: Family, hf_config: Any, module: nn.Module, where: str) -> int | None:
+    """The sliding window of one attention module (None: causal), checked against what transformers' mask uses."""
+    window = getattr(module, "sliding_window", None)
+    if window is None:
+        return None
+    if not family.sliding_window:
+        raise ValueError(f"{where} has a sliding window ({window!r}); {family.name} attaches without one")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1 or window != getattr(hf_config, "sliding_window", None):
+        raise ValueError(f"{where}.sliding_window is {window!r}, the config's (its mask's) {getattr(hf_config, 'sliding_window', None)!r}")
+    return window
+
+
+def _check_lora_scales(family: Family, module: nn.Module, where: str) -> None:
+    names = {"query": ("mla_scale_q_lora", "mla_scale_kv_lora"), "latents": ("q_lora_scale", "kv_lora_scale")}.get(
+        family.lora_scales, ())
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{where}.{name} is {value!r}, not a positive float")
+
+
+def _check_family_model(model: nn.Module, family: Family) -> tuple:
     layers = decoder_layers(model, family)
     if len(layers) == 0:
         raise ValueError("has no decoder layers")
@@ -141,26 +188,35 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple[Any, nn.Modul
     for module, at in zip(originals, where):
         if not isinstance(module, nn.Module) or not isinstance(getattr(module, "kv_b_proj", None), nn.Module):
             raise ValueError(f"{at} is a {type(module).__name__}, not one MLA attention module")
-    config = layer_config(family, hf_config, originals[0], where[0])
-    for module, at in zip(originals, where):
-        check_attention(family, config, module, at)
-        mine = layer_config(family, hf_config, module, at)
-        if mine != config:
-            raise ValueError(f"{at} has other MLA dims or another softmax scale than layer 0 ({mine} vs {config}): one cache "
+    configs = [layer_config(family, hf_config, module, at) for module, at in zip(originals, where)]
+    for module, at, mine in zip(originals, where, configs):
+        check_attention(family, mine, module, at)
+        _check_lora_scales(family, module, at)
+        if mine != configs[0] and not family.per_layer:
+            raise ValueError(f"{at} has other MLA dims or another softmax scale than layer 0 ({mine} vs {configs[0]}): one cache "
                              "width and one plan serve all layers")
-    if family.indexer is not None and getattr(originals[0], "indexer", None) is None:
+    windows = [_window(family, hf_config, module, at) for module, at in zip(originals, where)]
+    if family.shared_topk and getattr(originals[0], "indexer", None) is None:
         raise ValueError("layer 0 has no top-k indexer, so no layer before it has picks to share")
     if family.rope_reader == "none":  # no rotary module; the rope part of q and k is never rotated (Kimi Linear)
-        return hf_config, layers, config, RopeTable(None, config.qk_rope_head_dim, "none", None)
+        return hf_config, layers, configs, [RopeTable(None, c.qk_rope_head_dim, "none", None) for c in configs], windows
     rotary = getattr(family.decoder_of(model), "rotary_emb", None)
     if not isinstance(rotary, nn.Module):
         raise ValueError(f"has no rotary embedding module at {family.decoder}.rotary_emb")
+    index_of = {id(layer): i for i, layer in enumerate(layers)}
+    ropes, by_key = [], {}
     try:
-        rope = RopeTable(rotary, config.qk_rope_head_dim, family.rope_reader, rope_limit(rotary, hf_config))
-        rope.check(originals[0].kv_b_proj.weight.device)
+        for (parent, _, _), c in zip(slots, configs):
+            kind = _layer_type(hf_config, index_of[id(parent)]) if family.rope_by_layer_type else None
+            key = (kind, c.qk_rope_head_dim)
+            if key not in by_key:  # one table per layer type (and rope width), shared by its layers
+                rope = RopeTable(rotary, c.qk_rope_head_dim, family.rope_reader, rope_limit(rotary, hf_config, kind), kind)
+                rope.check(originals[0].kv_b_proj.weight.device)
+                by_key[key] = rope
+            ropes.append(by_key[key])
     except ValueError as exc:
         raise ValueError(f"{exc}; openmla.hf does not reproduce it") from None
-    return hf_config, layers, config, rope
+    return hf_config, layers, configs, ropes, windows
 
 
 def attach(
@@ -174,7 +230,8 @@ def attach(
     """Route every attention layer of ``model`` through openmla; returns the shared cache.
 
     ``num_pages`` x ``page_size`` tokens of latent cache per layer are allocated on the model's
-    device. ``cache_dtype``: ``None`` stores entries in the attention weights' dtype, else a float
+    device (a model whose layers differ in latent width, dots3, gets one storage per width, every
+    layer with the same pages). ``cache_dtype``: ``None`` stores entries in the attention weights' dtype, else a float
     dtype, ``"fp8_e4m3"``, ``"fp8_ds_mla"``, ``"nvfp4_ds_mla"`` or ``"nvfp4_fp8rope"`` (see
     ``PagedLatentCache``; the NVFP4 records hold L=512, R=64 models only). ``backend`` picks the
     openmla backend (default: automatic per device). Everything is checked before the model is
@@ -184,19 +241,40 @@ def attach(
         return attach_v4(model, num_pages, page_size, cache_dtype, backend=backend)
     if is_attached(model):
         raise ValueError("model: already attached; call openmla.hf.detach(model) first")
-    family, hf_config, layers, config, rope = _checked(model)
+    checked = _checked(model)
+    family, hf_config, layers, configs = checked.family, checked.hf_config, checked.layers, checked.configs
+    config, rope = configs[0], checked.ropes[0]
     slots = attention_slots(layers, family)
     originals = [getattr(parent, name) for parent, name, _ in slots]
     weight = originals[0].kv_b_proj.weight
-    why = RECORDS[cache_dtype].shape_error(config.kv_lora_rank, config.qk_rope_head_dim) if cache_dtype in RECORDS else None
-    if why is not None:  # a record format that cannot hold this model's entries (NVFP4: L=512, R=64 only)
-        raise ValueError(f"cache_dtype: {why[1]}")
-    cache = PagedLatentCache(len(originals), num_pages, page_size, config.cache_head_dim, cache_dtype or weight.dtype,
-                             device=weight.device, rope_dim=config.qk_rope_head_dim)
+    # Cache storage per latent width (L, R) (one for every family but dots3), cache layers numbered within it;
+    # a plan per distinct (storage, softmax scale, sliding window) each step.
+    widths, group_of, index_in_group = [], [], []
+    plan_keys, plan_of = [], []
+    for c, window in zip(configs, checked.windows):
+        width = (c.kv_lora_rank, c.qk_rope_head_dim)
+        if width not in widths:
+            widths.append(width)
+        g = widths.index(width)
+        index_in_group.append(group_of.count(g))
+        group_of.append(g)
+        key = (g, c.softmax_scale, window)
+        if key not in plan_keys:
+            plan_keys.append(key)
+        plan_of.append(plan_keys.index(key))
+    for L, R in widths:
+        why = RECORDS[cache_dtype].shape_error(L, R) if cache_dtype in RECORDS else None
+        if why is not None:  # a record format that cannot hold this model's entries (NVFP4: L=512, R=64 only)
+            raise ValueError(f"cache_dtype: {why[1]}")
+    caches = [PagedLatentCache(group_of.count(g), num_pages, page_size, L + R, cache_dtype or weight.dtype,
+                               device=weight.device, rope_dim=R) for g, (L, R) in enumerate(widths)]
+    cache = caches[0]  # its allocator, page tables and lengths serve every storage (the same rows in each)
     scale = family.query_scale(hf_config) if family.query_scale is not None else None
     clock = AttentionClock(weight.device)
-    attached = [AttachedAttention.adopt(m, config, i, family, rope, clock, query_scale=scale, backend=backend)
-                for i, m in enumerate(originals)]
+    attached = [AttachedAttention.adopt(m, c, i, family, r, clock, query_scale=scale, backend=backend)
+                for m, c, i, r in zip(originals, configs, index_in_group, checked.ropes)]
+    for module, k in zip(attached, plan_of):
+        module.plan_index = k
     indexers = [m for m in attached if m.indexer is not None]
     index_keys, index_topk = None, 0
     if indexers:
@@ -220,7 +298,7 @@ def attach(
     guard = TextOnlyGuard.install(family, model) if family.text_only is not None else None
     setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
                                      family, int(hf_config.vocab_size), rope, clock, hybrid, guard,
-                                     media_token_ids(family, model)))
+                                     media_token_ids(family, model), caches, plan_keys))
     return cache
 
 

@@ -15,6 +15,7 @@ The rope comes from the model's own rotary module through the attachment's ``Rop
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,19 @@ STEP_KWARG = "openmla_step"  # the keyword the attention context travels under t
 INDEX_KWARG = "openmla_index_step"  # and the step's IndexStep, for models with a top-k indexer (V3.2)
 
 
+@dataclass(frozen=True)
+class StepPlans:
+    """The plans of one step of a model whose layers differ in latent width, softmax scale or sliding
+    window (``Family.per_layer``): one per ``Attachment.plan_keys`` entry, all over the same sequences,
+    positions and cache rows; each layer runs ``plans[layer.plan_index]``."""
+
+    plans: tuple[MLAPlan, ...]
+
+    @property
+    def first(self) -> MLAPlan:
+        return self.plans[0]
+
+
 class AttachedAttention(LatentAttention):
     """``LatentAttention`` over the submodules of a transformers MLA attention module of ``family``.
 
@@ -41,8 +55,10 @@ class AttachedAttention(LatentAttention):
     rows of the attachment's store), or reuses the previous layer's picks, and attends to those only."""
 
     index_keys: torch.Tensor | None = None
-    q_factor: float | None = None  # a constant factor on the whole query (Family.lora_scales)
+    q_factor: float | None = None  # a constant factor on the whole query (Family.lora_scales "query")
+    q_latent_factor: float | None = None  # or on the normed query latent (Family.lora_scales "latents")
     latent_factor: float | None = None  # and on the normed latent: the cache write's gamma carries it
+    plan_index: int = 0  # which of a StepPlans' plans this layer runs
 
     def latent_gamma(self) -> torch.Tensor:
         gamma = self.kv_a_layernorm.weight
@@ -68,8 +84,10 @@ class AttachedAttention(LatentAttention):
             setattr(layer, name, param)
         layer.indexer = getattr(module, "indexer", None)
         layer.family, layer.rope, layer.clock, layer.query_scale = family, rope, clock, query_scale
-        if family.lora_scales:  # LongCat-Flash: constant factors on the query and on the normed latent
+        if family.lora_scales == "query":  # LongCat-Flash: constant factors on the query and on the normed latent
             layer.q_factor, layer.latent_factor = float(module.mla_scale_q_lora), float(module.mla_scale_kv_lora)
+        elif family.lora_scales == "latents":  # dots3: on the normed query latent and the normed latent
+            layer.q_latent_factor, layer.latent_factor = float(module.q_lora_scale), float(module.kv_lora_scale)
         layer.freqs_cis = None  # the rope comes from ``rope``, the model's own table
         layer.split_kv_b()  # weights (w_k, w_uk, w_uv) become real tensors, derived from the adopted kv_b_proj
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
@@ -95,10 +113,12 @@ class AttachedAttention(LatentAttention):
         return out
 
     def _forward(self, hidden: torch.Tensor, step: Any, kwargs: dict) -> tuple:
+        if isinstance(step, StepPlans):
+            step = step.plans[self.plan_index]
         step = self.check_step(hidden, step, {})
         q, q_resid, gate = self._query(hidden, step)
         picks = None
-        if self.family.indexer is not None:
+        if self.family.indexer is not None and (self.indexer is not None or self.family.shared_topk):
             picks = self._pick(hidden, q_resid, kwargs)
             step = step.with_sparse(picks, physical_indices=False)
         out = self._attend(hidden, step, q, gate)[None]
@@ -118,6 +138,8 @@ class AttachedAttention(LatentAttention):
             q = q.contiguous()
         else:
             q_resid = None if c.q_lora_rank is None else self.query_latent(hidden)
+            if self.q_latent_factor is not None:  # before q_b_proj and the indexer, as transformers scales it
+                q_resid = q_resid * self.q_latent_factor
             q = self.project_q(hidden, q_resid)
             if f.output_gate == "gate_proj":
                 gate = self.gate_proj(hidden).view(T, H, c.v_head_dim)
@@ -152,6 +174,9 @@ class AttachedAttention(LatentAttention):
         c, f = self.config, self.family
         T = hidden.shape[0]
         kv = self.kv_a_proj_with_mqa(hidden)
+        if f.rope_key_norm is not None:  # dots3: the key's rope part normed (the module itself) before the write rotates it
+            L = c.kv_lora_rank
+            kv[:, L:] = getattr(self, f.rope_key_norm)(kv[:, L:])
         sink = self.sinks.float() if f.sinks else None
         table = self.rope.table(step.max_position, hidden.device)
         t0 = self.clock.now() if self.clock.on else 0.0

@@ -77,7 +77,8 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
         raise ValueError(f"{where} is in training mode with attention dropout; call model.eval() first")
     have = {n for n, _ in module.named_children()}
     want = set(family.module_names(config.q_lora_rank is not None))
-    optional = {"indexer"} if family.shared_topk else set()  # a layer reusing the previous layer's top-k has none
+    # a layer reusing the previous layer's top-k has no indexer, nor a dense layer of a family with some
+    optional = {"indexer"} if family.shared_topk or family.indexer_optional else set()
     unknown, missing = sorted(have - want), sorted(want - have - optional)
     if unknown or missing:
         raise ValueError(f"{where} ({kind}) has submodules {sorted(have)}; {family.name} attaches with "
@@ -103,6 +104,10 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
         if weight.shape[0] != rows or (cols is not None and weight.shape[1] != cols):
             raise ValueError(f"{where}.{name}.weight has shape {tuple(weight.shape)}, the MLA dims say ({rows}, {cols or '...'})")
     _probe_rms_norm(module.kv_a_layernorm, config.rms_norm_eps, f"{where}.kv_a_layernorm")
+    if family.rope_key_norm is not None:  # run as the module itself: only its width is checked
+        norm = module.get_submodule(family.rope_key_norm)
+        if tuple(getattr(norm, "weight", torch.empty(0)).shape) != (R,):
+            raise ValueError(f"{where}.{family.rope_key_norm} is not a norm over the key's {R} rope values")
     if family.sinks and tuple(module.sinks.shape) != (H,):
         raise ValueError(f"{where}.sinks has shape {tuple(module.sinks.shape)}, expected ({H},)")
     indexer = getattr(module, "indexer", None)

@@ -45,6 +45,10 @@ PRESETS: dict[str, Preset] = {
     "hy_v4": Preset("HYV4ForCausalLM", "HYV4Config", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
     # text only; a tiny vision tower (never run: pixel values are refused); the placeholder ids stay transformers' (past the vocab)
     "hy_v4_vl": Preset("HYV4VLForConditionalGeneration", "HYV4VLConfig", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
+    # a sliding layer (4 heads, L=1024, Dn=192: dots3's sliding dims) and an indexed one (the size's heads, L=512, Dn=128)
+    "dots3_note": Preset("Dots3NoteForCausalLM", "Dots3NoteTextConfig",
+                         dict(layer_types=["sliding_attention", "indexed_attention"], swa_num_attention_heads=4,
+                              swa_num_key_value_heads=4, shared_experts_intermediate_size=32), topk=True),
     # num_hidden_layers counts MLA blocks (2 per decoder layer); its own MoE with zero experts
     "longcat_flash": Preset("LongcatFlashForCausalLM", "LongcatFlashConfig",
                             dict(num_hidden_layers=4, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4,

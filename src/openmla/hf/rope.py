@@ -23,16 +23,20 @@ _FIRST_ROWS = 4096
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
 
-def rope_type_of(rotary: nn.Module) -> str:
+def rope_type_of(rotary: nn.Module, layer_type: str | None = None) -> str:
     kind = getattr(rotary, "rope_type", "default")
+    if layer_type is not None and isinstance(kind, dict):  # a rope per layer type (dots3)
+        kind = kind.get(layer_type, f"none for layer type {layer_type!r}")
     return kind if isinstance(kind, str) else repr(kind)
 
 
-def rope_limit(rotary: nn.Module, hf_config: Any) -> int | None:
+def rope_limit(rotary: nn.Module, hf_config: Any, layer_type: str | None = None) -> int | None:
     """Positions the table may cover (None: any), or ``ValueError`` for a rope type it cannot hold."""
-    kind = rope_type_of(rotary)
+    kind = rope_type_of(rotary, layer_type)
     if kind in STATIC_ROPE_TYPES:
         return None
+    if kind == "longrope" and layer_type is not None:
+        raise ValueError(f"rope type 'longrope' of layer type {layer_type!r} (a rope per layer type is held static only)")
     if kind == "longrope":  # short factors up to the original length; past it transformers switches every position
         original = (getattr(hf_config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
         if not isinstance(original, int) or original < 1:
@@ -46,13 +50,16 @@ class RopeTable:
 
     ``layout``: ``"cos_sin"`` for modules returning ``(cos, sin)`` as ``cat(freqs, freqs)``,
     ``"complex"`` for DeepSeek-V2's complex ``freqs_cis``, ``"none"`` for no rotation (``rotary`` None:
-    the identity table). ``limit``: the positions it may cover.
+    the identity table). ``limit``: the positions it may cover. ``layer_type``: for a rotary module with a
+    rope per layer type (called ``rotary(x, positions, layer_type)``: dots3), the type this table is of.
     """
 
-    def __init__(self, rotary: nn.Module | None, width: int, layout: str, limit: int | None) -> None:
+    def __init__(self, rotary: nn.Module | None, width: int, layout: str, limit: int | None,
+                 layer_type: str | None = None) -> None:
         if layout not in ("cos_sin", "complex", "none"):
             raise ValueError(f"layout: expected 'cos_sin', 'complex' or 'none', got {layout!r}")
         self.rotary, self.width, self.layout, self.limit = rotary, width, layout, limit
+        self.layer_type = layer_type
         self._table: torch.Tensor | None = None
 
     def check(self, device: torch.device) -> None:
@@ -71,7 +78,7 @@ class RopeTable:
             if not (isinstance(freqs, torch.Tensor) and freqs.is_complex() and tuple(freqs.shape) == (1, rows, R // 2)):
                 raise ValueError(f"its rotary embedding does not give complex [{rows}, {R // 2}] frequencies")
             return torch.view_as_real(freqs[0]).reshape(rows, R).to(torch.float32).contiguous()
-        out = self.rotary(x, pos)
+        out = self.rotary(x, pos) if self.layer_type is None else self.rotary(x, pos, self.layer_type)
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             raise ValueError("its rotary embedding does not return (cos, sin)")
         cos, sin = (t[0].to(torch.float32) for t in out)

@@ -8,20 +8,40 @@ Only the rows whose next token is wanted go through ``lm_head`` (``logits_to_kee
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from ..cache import CacheBatch
+from ..cache import CacheBatch, PagedLatentCache
 from ..planning import MLAPlan, plan
 from .attach import Attachment, attachment
-from .attention import INDEX_KWARG, STEP_KWARG
+from .attention import INDEX_KWARG, STEP_KWARG, StepPlans
 from .hybrid import LINEAR_KWARG
 from .indexer import IndexStep
 
 
-def step_context(state: Attachment, batch: CacheBatch) -> MLAPlan:
-    """The attention context every layer of one step receives: one plan, made once per step."""
-    return plan(batch, scale=state.config.softmax_scale, backend=state.backend)
+def _plan(state: Attachment, batch: CacheBatch, scale: float, window: int | None) -> MLAPlan:
+    if window is None:
+        return plan(batch, scale=scale, backend=state.backend)
+    return plan(batch, scale=scale, mask="sliding_window_causal", window_size=window, backend=state.backend)
+
+
+def _storage_batch(batch: CacheBatch, cache: PagedLatentCache) -> CacheBatch:
+    """``batch`` (the page tables, lengths and rows of the attachment's first cache) over another
+    storage of the same pages: the layers of another latent width (``Family.per_layer``)."""
+    return dataclasses.replace(batch, blocks=cache.blocks, kv_scale=cache.kv_scale if batch.kv_scale is not None else None,
+                               _host=batch._host.copy())
+
+
+def step_context(state: Attachment, batch: CacheBatch) -> MLAPlan | StepPlans:
+    """The attention context every layer of one step receives, made once per step: one plan, or for a
+    model whose layers differ in latent width, softmax scale or window, one plan per distinct kind."""
+    keys = state.plan_keys or [(0, state.config.softmax_scale, None)]
+    if len(keys) == 1:
+        return _plan(state, batch, keys[0][1], keys[0][2])
+    batches = [batch] + [_storage_batch(batch, c) for c in state.caches[1:]]
+    return StepPlans(tuple(_plan(state, batches[g], scale, window) for g, scale, window in keys))
 
 
 @torch.no_grad()  # not inference_mode: the torch backend keeps scratch tensors across calls, which must stay writable outside it
@@ -39,7 +59,8 @@ def forward_step(model: nn.Module, batch: CacheBatch, input_ids: torch.Tensor, l
     device = state.cache.blocks.device
     context = {STEP_KWARG: step_context(state, batch)}
     if state.index_keys is not None:
-        context[INDEX_KWARG] = IndexStep.build(context[STEP_KWARG], state.index_topk)
+        first = context[STEP_KWARG]
+        context[INDEX_KWARG] = IndexStep.build(first.first if isinstance(first, StepPlans) else first, state.index_topk)
     if state.hybrid is not None:  # each sequence's linear-attention state (a hybrid model)
         context[LINEAR_KWARG] = state.hybrid.states.begin(batch.seq_ids, batch.cache_lengths_list, batch.new_tokens_list,
                                                           live=set(state.cache.sequences))

@@ -10,6 +10,7 @@ from typing import Any
 
 from .axk import AXK1, AXK2
 from .bailing import BAILING_HYBRID
+from .dots3 import DOTS3_NOTE, DOTS3_NOTE_MM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
 from .family import Family, IndexerSpec, TextOnly
 from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
@@ -23,7 +24,7 @@ from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
-    HY_V4, HY_V4_VL, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR,
+    HY_V4, HY_V4_VL, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR, DOTS3_NOTE, DOTS3_NOTE_MM,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 

@@ -82,8 +82,21 @@ class Family:
       an indexer reuse the previous layer's picks (the attention returns them as a third value);
     - ``sublayers``: MLA attention modules per decoder layer; above 1, ``self_attn`` is a ``ModuleList``
       of that many (LongCat-Flash: 2), each its own cache layer, in order;
-    - ``lora_scales``: the module's ``mla_scale_q_lora`` multiplies the whole query and
-      ``mla_scale_kv_lora`` the normed latent (LongCat-Flash);
+    - ``lora_scales``: constant factors on the query and the normed latent: ``"query"`` (the module's
+      ``mla_scale_q_lora`` multiplies the whole query and ``mla_scale_kv_lora`` the normed latent:
+      LongCat-Flash) or ``"latents"`` (``q_lora_scale`` multiplies the normed query latent before
+      ``q_b_proj`` and the indexer, ``kv_lora_scale`` the normed latent: dots3); None: none;
+    - ``rope_key_norm``: the name of an RMSNorm module over the R rope values of each key, applied before
+      the rotation (dots3's ``k_rope_only_layernorm``); the adapter runs the module on the key's rope part
+      before the cache write rotates it (rotation and norm commute with nothing else in between);
+    - ``per_layer``: layers may differ in MLA dims (H, L, Dn, Dv, q LoRA), softmax scale and sliding window
+      (dots3's ``per_layer_config``): the layers of each latent width get their own cache storage (one page
+      table for all), and each distinct (width, scale, window) its own plan per step;
+    - ``sliding_window``: a layer whose module has ``sliding_window`` set attends to the last that many
+      positions (its own included), which must equal the text config's ``sliding_window`` (the window
+      transformers' mask uses); ``rope_by_layer_type``: the rotary module takes the layer's type
+      (``config.layer_types[i]``) and gives each type its own table;
+    - ``indexer_optional``: layers without an indexer attend densely (they neither pick nor reuse picks);
     - ``linear_attention``: the class of a hybrid model's linear-attention layers (decoder layers whose
       ``self_attn`` is that class instead of ``attention_class``); they stay transformers' code, run on each
       sequence of a step with that sequence's own state (``openmla.hf.hybrid``); None: every layer is MLA;
@@ -110,7 +123,12 @@ class Family:
     indexer: IndexerSpec | None = None
     shared_topk: bool = False
     sublayers: int = 1
-    lora_scales: bool = False
+    lora_scales: str | None = None
+    rope_key_norm: str | None = None
+    per_layer: bool = False
+    sliding_window: bool = False
+    rope_by_layer_type: bool = False
+    indexer_optional: bool = False
     linear_attention: str | None = None
     text_only: TextOnly | None = None
     extra_modules: tuple[str, ...] = ()
@@ -119,7 +137,8 @@ class Family:
 
     def __post_init__(self) -> None:
         choices = {"query": ("auto", "q_gate"), "rope_layout": ("config", "interleave", "half"),
-                   "rope_reader": ("cos_sin", "complex", "none"), "output_gate": (None, "q_gate", "gate_proj", "g_proj")}
+                   "rope_reader": ("cos_sin", "complex", "none"), "output_gate": (None, "q_gate", "gate_proj", "g_proj"),
+                   "lora_scales": (None, "query", "latents")}
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise ValueError(f"Family {self.name}: {attr} must be one of {allowed}, got {getattr(self, attr)!r}")
@@ -166,8 +185,18 @@ class Family:
             out.append("top-k indexer" + (", shared top-k layers" if self.shared_topk else ""))
         if self.sublayers > 1:
             out.append(f"{self.sublayers} MLA blocks per decoder layer")
-        if self.lora_scales:
+        if self.lora_scales == "query":
             out.append("scaled query and latent (mla_scale_q_lora, mla_scale_kv_lora)")
+        if self.lora_scales == "latents":
+            out.append("scaled query latent and latent (q_lora_scale, kv_lora_scale)")
+        if self.rope_key_norm is not None:
+            out.append(f"RMSNorm on the key's rope part ({self.rope_key_norm})")
+        if self.per_layer:
+            out.append("MLA dims per layer (a cache storage per latent width)")
+        if self.sliding_window:
+            out.append("sliding-window layers")
+        if self.indexer_optional:
+            out.append("dense layers without an indexer")
         if self.text_only is not None:
             out.append("text only" + (f" (M-RoPE, {self.text_only.position_streams} equal position streams)"
                                       if self.text_only.position_streams > 1 else ""))

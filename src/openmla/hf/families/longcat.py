@@ -18,6 +18,6 @@ def _qk_head_dim(hf_config: Any) -> str | None:
 
 LONGCAT_FLASH = Family(
     name="longcat_flash", model_types=("longcat_flash",), model_classes=("LongcatFlashForCausalLM",),
-    attention_class="LongcatFlashMLA", rope_layout="interleave", sublayers=2, lora_scales=True,
+    attention_class="LongcatFlashMLA", rope_layout="interleave", sublayers=2, lora_scales="query",
     config_checks=(_qk_head_dim,), example="meituan-longcat/LongCat-Flash-Chat",
 )

@@ -19,9 +19,6 @@ class Refused:
 _MISTRAL_LARGE4 = Refused("mistral_large4", "layers without rope (R=0 keys: no kernel form), layers that reuse an earlier "
                           "layer's latent instead of writing their own (no shared cache layer), a top-k indexer that "
                           "reads hidden states and learned rope frequencies")
-_DOTS3 = Refused("dots3_note", "a different latent width and head count per layer (one cache width for all layers), "
-                 "a norm on the rope part of each key before rotation (the cache write norms the latent only), "
-                 "sliding-window layers beside top-k layers")
 _GLM5_NEXT = Refused("glm5_next", "MLA layers with R=0 (qk_rope_head_dim 0: openmla's kernels need a rope part) and a "
                      "top-k indexer over pooled key groups (index_kpool keys pooled by a softmax gate, the picked pools "
                      "expanded to their tokens plus the open tail pool), which openmla's indexer does not have; its "
@@ -29,7 +26,5 @@ _GLM5_NEXT = Refused("glm5_next", "MLA layers with R=0 (qk_rope_head_dim 0: open
 
 REFUSED: dict[str, Refused] = {
     "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
-    "Dots3NoteForCausalLM": _DOTS3,
-    "Dots3NoteForConditionalGeneration": _DOTS3,
     "Glm5NextForConditionalGeneration": _GLM5_NEXT,
 }
