@@ -1,7 +1,7 @@
 """Whole transformers MLA models on openmla: ``attach`` a model, then ``generate`` or ``stream``.
 
 The families it runs (DeepSeek-V2/V3/V3.2, Kimi K2/K2.5, GLM-4.7-Flash, GLM-5, MiniCPM3, Mistral 4,
-Youtu, A.X K1/K2, Hunyuan V4, ...) are listed in ``openmla.hf.families`` (``openmla models``);
+Youtu, A.X K1/K2, Hunyuan V4 (and V4 VL, text only), dots3, ...) are listed in ``openmla.hf.families`` (``openmla models``);
 ``attach`` refuses every other model with a ``ValueError`` before changing it.
 
 ```python

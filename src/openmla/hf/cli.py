@@ -231,9 +231,15 @@ def family_dims(family) -> str:
 
     preset = PRESETS.get(family.name) or PRESETS["deepseek_v3"]
     config = getattr(transformers, preset.config_class)().get_text_config()
-    q = f"q_lora {config.q_lora_rank}" if config.q_lora_rank else "q_proj"
-    return (f"H={config.num_attention_heads} L={config.kv_lora_rank} R={config.qk_rope_head_dim} "
-            f"Dn={config.qk_nope_head_dim} Dv={config.v_head_dim} {q}")
+
+    def dims(c) -> str:
+        q = f"q_lora {c.q_lora_rank}" if c.q_lora_rank else "q_proj"
+        return f"H={c.num_attention_heads} L={c.kv_lora_rank} R={c.qk_rope_head_dim} Dn={c.qk_nope_head_dim} Dv={c.v_head_dim} {q}"
+
+    if family.per_layer:  # dims per layer type (dots3: its per_layer_config)
+        kinds = list(dict.fromkeys(config.layer_types))
+        return "; ".join(f"{kind}: {dims(config.per_layer_config[config.layer_types.index(kind)])}" for kind in kinds)
+    return dims(config)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

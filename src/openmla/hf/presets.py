@@ -47,8 +47,8 @@ PRESETS: dict[str, Preset] = {
     "hy_v4_vl": Preset("HYV4VLForConditionalGeneration", "HYV4VLConfig", dict(hc_mult=2, learnable_sink_init=0.5), topk=True),
     # a sliding layer (4 heads, L=1024, Dn=192: dots3's sliding dims) and an indexed one (the size's heads, L=512, Dn=128)
     "dots3_note": Preset("Dots3NoteForCausalLM", "Dots3NoteTextConfig",
-                         dict(layer_types=["sliding_attention", "indexed_attention"], swa_num_attention_heads=4,
-                              swa_num_key_value_heads=4, shared_experts_intermediate_size=32), topk=True),
+                         dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, shared_experts_intermediate_size=32),
+                         topk=True),
     # num_hidden_layers counts MLA blocks (2 per decoder layer); its own MoE with zero experts
     "longcat_flash": Preset("LongcatFlashForCausalLM", "LongcatFlashConfig",
                             dict(num_hidden_layers=4, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4,
@@ -89,6 +89,8 @@ def family_config(name: str, size: str = "test", **overrides: Any) -> Any:
     p = PRESETS[name]
     extra = copy.deepcopy(p.extra)  # a config keeps the dicts it is given (rope_parameters): never the table's own
     kwargs = {**_SIZES[size], **_IDS, **(_MOE[size] if p.moe else {}), **(_TOPK[size] if p.topk else {}), **extra, **overrides}
+    if name == "dots3_note":  # sliding, indexed, sliding, indexed, ...
+        kwargs.setdefault("layer_types", ["sliding_attention", "indexed_attention"] * (kwargs["num_hidden_layers"] // 2))
     if p.topk and "indexer_types" in getattr(transformers, p.config_class).__dataclass_fields__:
         kwargs["indexer_types"] = ["full", "shared"] * (kwargs["num_hidden_layers"] // 2)  # every other layer reuses picks
     if name == "kimi_k25":
