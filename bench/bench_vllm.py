@@ -12,7 +12,10 @@ random-weight 2-layer DeepSeek-V2-shaped checkpoint (the real MLA dims), serves 
 - ``op ms``: the same decode kernel called directly on random data of the step's shape (8
   sequences of 4096 cached tokens, the engine's page size) in the same process (median, min),
   called back to back (its 38 MB of pages stay in a large last-level cache) and ``cold`` (a
-  512 MiB buffer rewritten before each call evicts them).
+  512 MiB buffer rewritten before each call evicts them);
+- ``build ms``: the attention metadata builder's ``build`` per step (wall, and this thread's CPU
+  time), vLLM's own builder or openmla's (vLLM's MLA metadata plus the step's openmla plans);
+  ``plan cpu ms``: the openmla plans alone (CPU time; 0 for vLLM's backends).
 JSON: ``bench/out/bench_vllm.json``.
 """
 
@@ -47,6 +50,24 @@ def _timed(cls, name, sink):
     setattr(cls, name, wrapper)
 
 
+def _timed_outer(cls, name, sink):
+    """Like ``_timed``, but only the outermost of nested calls (a builder's ``build`` calls its base's);
+    records (wall, this thread's CPU time): the host path is one thread, its CPU time holds under load."""
+    fn, depth = getattr(cls, name), [0]
+
+    def wrapper(*args, **kwargs):
+        depth[0] += 1
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                sink.append((time.perf_counter() - t0, time.thread_time() - c0))
+
+    setattr(cls, name, wrapper)
+
+
 def child(heads: int, backend: str, workdir: Path) -> dict:
     import torch
 
@@ -59,14 +80,19 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests_vllm"))
     from models import deepseek_v2, save_model
     from vllm import LLM, SamplingParams
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention, MLACommonMetadataBuilder
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
     from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from openmla.integrations.vllm.impl import OpenMLAImpl
+    from openmla.integrations.vllm.metadata import OpenMLAMetadataBuilder
 
-    attn, kernel, steps = [], [], []
+    attn, kernel, steps, build, plan = [], [], [], [], []
+    for cls in (MLACommonMetadataBuilder, AMXMLAMetadataBuilder, OpenMLAMetadataBuilder):
+        _timed_outer(cls, "build", build)
+    _timed_outer(OpenMLAMetadataBuilder, "_plan", plan)
     _timed(MLAAttention, "forward_impl", attn)
     for cls in (AMXMLAImpl, CPUMLAImpl, OpenMLAImpl):
         _timed(cls, "forward_mqa", kernel)
@@ -74,7 +100,7 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     state = {}
 
     def execute_model(self, scheduler_output, *a, **k):
-        attn.clear(), kernel.clear()
+        attn.clear(), kernel.clear(), build.clear(), plan.clear()
         state.update(t0=time.perf_counter(), tokens=scheduler_output.total_num_scheduled_tokens,
                      reqs=len(scheduler_output.num_scheduled_tokens))
         return execute(self, scheduler_output, *a, **k)
@@ -82,7 +108,8 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     def sample_tokens(self, *a, **k):
         out = sample(self, *a, **k)
         if state.get("tokens") == B and state.get("reqs") == B:  # a decode step of the full batch
-            steps.append((time.perf_counter() - state["t0"], sum(attn), sum(kernel)))
+            steps.append((time.perf_counter() - state["t0"], sum(attn), sum(kernel),
+                          sum(w for w, _ in build), sum(c for _, c in build), sum(c for _, c in plan)))
         return out
 
     GPUModelRunner.execute_model, GPUModelRunner.sample_tokens = execute_model, sample_tokens
@@ -102,14 +129,60 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW + 1, ignore_eos=True), use_tqdm=False)
     total = time.perf_counter() - t0
     n = len(layers)
-    step = statistics.median(s for s, _, _ in steps)
-    result = dict(heads=heads, backend=backend, impl=impl, kv_cache_dtype=kv_cache_dtype, block_size=block_size, decode_steps=len(steps), generate_s=total,
+    step = statistics.median(s[0] for s in steps)
+    result = dict(heads=heads, backend=backend, impl=impl, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                  decode_steps=len(steps), generate_s=total,
                   step_ms=1e3 * step, tokens_per_s=B / step,
-                  attn_ms_per_layer=1e3 * statistics.median(a for _, a, _ in steps) / n,
-                  kernel_ms_per_layer=1e3 * statistics.median(k for _, _, k in steps) / n,
+                  attn_ms_per_layer=1e3 * statistics.median(s[1] for s in steps) / n,
+                  kernel_ms_per_layer=1e3 * statistics.median(s[2] for s in steps) / n,
+                  build_ms=1e3 * statistics.median(s[3] for s in steps), build_cpu_ms=1e3 * statistics.median(s[4] for s in steps),
+                  plan_cpu_ms=1e3 * statistics.median(s[5] for s in steps),
                   **{f"op_ms_{k}": 1e3 * v for k, v in standalone_op(impl, heads, block_size, layers[0].scale).items()})
     result["cpu_times_s"] = dict(zip(("user", "system"), os.times()[:2]))
     return result
+
+
+def child_tp(heads: int, backend: str, workdir: Path, tp: int) -> dict:
+    """Tensor parallelism: ``tp`` worker processes (vLLM's multiprocess executor), so no per-step
+    hooks reach the model runners; decode tokens/s = B * NEW / (time of a generate with NEW + 1
+    tokens - time of one with 1 token), each on fresh prompts (no prefix-cache hits)."""
+    import torch
+
+    global CONTEXT, NEW, DTYPE
+    CONTEXT, NEW, DTYPE = int(os.environ["BENCH_CONTEXT"]), int(os.environ["BENCH_NEW"]), os.environ["BENCH_DTYPE"]
+    sys.path.insert(0, str(ROOT / "tests_vllm"))
+    from models import deepseek_v2, save_model
+    from vllm import LLM, SamplingParams
+
+    cfg = deepseek_v2(num_heads=heads)
+    cfg["max_position_embeddings"] = CONTEXT + 256
+    model = save_model(cfg, workdir / f"v2-h{heads}")
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype=DTYPE, enforce_eager=True, max_model_len=CONTEXT + 64,
+              max_num_seqs=B, max_num_batched_tokens=8192, kv_cache_memory_bytes=512 << 20, seed=0,
+              kv_cache_dtype=os.environ.get("BENCH_KV_CACHE_DTYPE", "auto"), tensor_parallel_size=tp,
+              distributed_executor_backend="mp" if tp > 1 else None)
+    g = torch.Generator().manual_seed(0)
+
+    def generate(max_tokens: int, context: int = CONTEXT) -> float:
+        prompts = [{"prompt_token_ids": torch.randint(2, 512, (context,), generator=g).tolist()} for _ in range(B)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+
+    generate(2, 64)  # warm-up
+    prefill = generate(1)
+    full = generate(NEW + 1)
+    return dict(heads=heads, backend=backend, tp=tp, prefill_s=prefill, generate_s=full,
+                decode_tokens_per_s=B * NEW / (full - prefill), decode_step_ms=1e3 * (full - prefill) / NEW)
+
+
+def _omp_bind(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks on this process's cores: consecutive groups
+    (vLLM's default binds a NUMA node per rank and refuses two ranks on a one-node machine)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // tp)
+    groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in groups)
 
 
 def standalone_op(impl: str, heads: int, block_size: int, scale: float, reps: int = 10) -> dict[str, float]:
@@ -175,10 +248,14 @@ def main() -> None:
                     help="engine dtype (auto: bfloat16 where the CPU multiplies it natively, else float32)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype for every engine (fp8, fp8_ds_mla: "
                     "openmla only; vLLM's CPU backends take none); the standalone op column stays the unquantised cache's")
+    ap.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes: time whole generate calls instead "
+                    "(decode tokens/s from a 1-token and a NEW+1-token generate; workers are separate processes)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_vllm.json"))
     args = ap.parse_args()
     if args.child:
-        res = child(int(args.child[0]), args.child[1], Path(args.child[2]))
+        tp = int(os.environ.get("BENCH_TP", "0"))
+        res = (child_tp(int(args.child[0]), args.child[1], Path(args.child[2]), tp) if tp
+               else child(int(args.child[0]), args.child[1], Path(args.child[2])))
         print("RESULT " + json.dumps(res), flush=True)
         return
     import torch
@@ -186,24 +263,35 @@ def main() -> None:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32")
     print(f"engine dtype {dtype}, context {args.context}, {args.new} decode steps timed", flush=True)
     backends = [b for b in args.backends if b != "AMX_MLA" or torch.cpu._is_amx_tile_supported()]
+    if args.tp and "CPU_MLA" in backends and torch.cpu._is_amx_tile_supported():
+        sys.exit("--tp: CPU_MLA is reached by hiding AMX in the engine's process; TP workers are other processes "
+                 "(they would run AMX_MLA): on this CPU compare AMX_MLA and OPENMLA")
     results = []
+    common = dict(BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new), BENCH_DTYPE=dtype, BENCH_KV_CACHE_DTYPE=args.kv_cache_dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        for heads in args.heads:
-            for backend in backends:
-                env = {k: v for k, v in os.environ.items() if k != "OPENMLA_VLLM"}
-                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", BENCH_CONTEXT=str(args.context), BENCH_NEW=str(args.new), BENCH_DTYPE=dtype, BENCH_KV_CACHE_DTYPE=args.kv_cache_dtype)
-                if backend == "OPENMLA":
-                    env["OPENMLA_VLLM"] = "1"
-                proc = subprocess.run([sys.executable, __file__, "--child", str(heads), backend, tmp], env=env,
-                                      capture_output=True, text=True)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if not lines:
-                    sys.exit(f"{backend} H={heads} failed:\n{proc.stderr[-4000:]}")
-                results.append(json.loads(lines[-1][7:]))
-                r = results[-1]
+        for heads, tp, backend in [(h, t, b) for h in args.heads for t in (args.tp or [0]) for b in backends]:
+            env = {k: v for k, v in os.environ.items() if k != "OPENMLA_VLLM"}
+            env.update(common)
+            if tp:  # whole-generate timing (see child_tp)
+                env.update(BENCH_TP=str(tp), VLLM_CPU_OMP_THREADS_BIND=_omp_bind(tp))
+            else:
+                env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            if backend == "OPENMLA":
+                env["OPENMLA_VLLM"] = "1"
+            proc = subprocess.run([sys.executable, __file__, "--child", str(heads), backend, tmp], env=env,
+                                  capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not lines:
+                sys.exit(f"{backend} H={heads}{f' TP={tp}' if tp else ''} failed:\n{proc.stderr[-4000:]}")
+            results.append(r := json.loads(lines[-1][7:]))
+            if tp:
+                print(f"| {heads} | {backend} | TP={tp} | {r['decode_tokens_per_s']:.1f} | {r['decode_step_ms']:.1f} | "
+                      f"{r['prefill_s']:.1f} |", flush=True)
+            else:
                 print(f"| {heads} | {backend} ({r['impl']}, page {r['block_size']}) | {r['tokens_per_s']:.1f} | {r['step_ms']:.1f} | "
                       f"{r['attn_ms_per_layer']:.2f} | {r['kernel_ms_per_layer']:.2f} | {r['op_ms_median']:.2f} ({r['op_ms_min']:.2f}) | "
-                      f"{r['op_ms_cold_median']:.2f} ({r['op_ms_cold_min']:.2f}) |", flush=True)
+                      f"{r['op_ms_cold_median']:.2f} ({r['op_ms_cold_min']:.2f}) | {r['build_ms']:.3f} | {r['build_cpu_ms']:.3f} | "
+                      f"{r['plan_cpu_ms']:.3f} |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(load=os.getloadavg(), context=args.context, dtype=dtype, results=results), indent=1))

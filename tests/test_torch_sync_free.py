@@ -5,7 +5,9 @@ sinks, fp8 caches) and flare_mla_prefill run with every way of reading a tensor 
 refused, then match the float64 reference.
 
 The plan's host lists (cache lengths, offsets, chunk plans) are made with the plan, before the
-refusal starts: that is the one host read a step makes.
+refusal starts: that is the one host read a step makes. On the CPU a plan makes its token
+positions and write rows at their first use (``made``, below): the tests make them first, as on
+an accelerator the plan does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def host_reads_refused():
         for name in REFUSED:
             mp.setattr(torch.Tensor, name, refuse)
         yield
+
+
+def made(step):
+    """``step`` with its token positions and write rows made (host work of the plan, once per step)."""
+    step.write_rows
+    return step
 
 
 def test_refusal_catches_a_host_read():
@@ -90,7 +98,7 @@ def test_decode_and_cache_write_read_nothing_on_the_host(name):
         kw["attn_sink"] = torch.randn(case.batch.batch_size, 4)
     L = case.config.kv_lora_rank
     q_abs = _q_abs(case)
-    step = openmla.plan(case.batch, scale=case.scale, backend="torch", **kw)
+    step = made(openmla.plan(case.batch, scale=case.scale, backend="torch", **kw))
     assert step.backend_name == "torch"
     with host_reads_refused():
         step.backend.write_cache(step, case.layer_idx, case.q, case.kv, case.freqs_cis, case.gamma, 1e-6, True)
@@ -109,7 +117,7 @@ def test_prefill_reads_nothing_on_the_host(mask, extra, fmt):
                      kv_scale=0.5)
     ref.write_cache(case.kv, case.freqs_cis, case.gamma, case.batch, case.layer_idx, 1e-6)
     sink = torch.randn(3)
-    step = openmla.plan(case.batch, scale=case.scale, mask=mask, attn_sink=sink, buffer_size=11, backend="torch", **extra)
+    step = made(openmla.plan(case.batch, scale=case.scale, mask=mask, attn_sink=sink, buffer_size=11, backend="torch", **extra))
     assert step.chunks(11).num_chunks > 3
     with host_reads_refused():
         out, lse = step.backend.prefill(step, case.layer_idx, case.q, case.w_k, case.w_uv, step.spec)
@@ -125,7 +133,7 @@ def test_flare_mla_prefill_reads_nothing_on_the_host():
     b = case.batch
     bro, co, blen = openmla.mla_prefill_plan(b.input_row_offsets, b, 19, 8)
     L, Dn = case.config.kv_lora_rank, case.config.qk_nope_head_dim
-    step = openmla.plan(b, scale=case.scale, mask="sliding_window_causal", window_size=9, backend="torch")
+    step = made(openmla.plan(b, scale=case.scale, mask="sliding_window_causal", window_size=9, backend="torch"))
     out = lse = None
     for c in range(int((blen >= 0).sum())):
         rows = torch.cat([ref.physical_rows(b, s, int(co[c, s]) + torch.arange(int(bro[c, s + 1] - bro[c, s])))

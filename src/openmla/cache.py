@@ -309,16 +309,28 @@ class CacheBatch:
         the metadata's device. Token ``i`` of sequence ``b`` sits at ``cache_lengths[b] + i``."""
         # Built from the host lists with numpy: torch.repeat_interleave runs a parallel region even
         # for a handful of sequences, which stalls for milliseconds when another process holds a core.
-        offsets = np.asarray(self.offsets_list, dtype=np.int64)
-        seq = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-        start = np.asarray(self.cache_lengths_list, dtype=np.int64) - offsets[:-1]  # position - row, per sequence
+        offsets = np.array(self.offsets_list, dtype=np.int64)
+        starts = offsets[:-1]
+        seq = np.repeat(np.arange(len(starts)), offsets[1:] - starts)
+        pos = np.arange(len(seq)) + (np.array(self.cache_lengths_list, dtype=np.int64) - starts)[seq]  # position - row, per sequence
         device = self.input_row_offsets.device
-        return torch.from_numpy(seq).to(device), torch.from_numpy(np.arange(len(seq)) + start[seq]).to(device)
+        return torch.from_numpy(seq).to(device), torch.from_numpy(pos).to(device)
 
     def physical_rows(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Physical rows ``block_table[seq, pos // page_size] * page_size + pos % page_size`` (int64)."""
         ps = self.page_size
         return self.block_table[seq, pos // ps].to(torch.int64) * ps + pos % ps
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``token_positions()`` and their ``physical_rows``: host work, once per step (a plan's). For a
+        CPU cache the rows come from numpy indexing of the table (a third of torch's dispatch cost
+        on a step's few rows), the same formula."""
+        seq, pos = self.token_positions()
+        table, ps = self.block_table, self.page_size
+        if table.device.type != "cpu" or table.dtype not in (torch.int32, torch.int64):
+            return seq, pos, self.physical_rows(seq, pos)
+        s, p = seq.numpy(), pos.numpy()
+        return seq, pos, torch.from_numpy(table.numpy()[s, p // ps].astype(np.int64) * ps + p % ps)
 
     @property
     def max_new_tokens(self) -> int:
@@ -331,6 +343,13 @@ class CacheBatch:
     def with_blocks(self, blocks: torch.Tensor) -> "CacheBatch":
         """The same view over other storage of the same shape (a copy of the cache, say)."""
         return dataclasses.replace(self, blocks=blocks)
+
+    def checked_copy(self, **fields: object) -> "CacheBatch":
+        """A shallow copy with ``fields`` replaced, without the constructor's checks: only for a caller
+        that has checked the new values itself (a plan's private metadata, same-shape storage)."""
+        new = object.__new__(CacheBatch)
+        new.__dict__.update(self.__dict__, **fields)
+        return new
 
 
 def _positive_int(name: str, value: object) -> int:

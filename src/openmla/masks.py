@@ -48,6 +48,8 @@ class MaskVariant:
         """
         if isinstance(mask, MaskVariant):
             return mask
+        if mask == "causal" and window_size is None and chunk_size is None:
+            return _CAUSAL  # every step of a decoder: no parsing
         try:
             kind = MaskKind(mask)
         except ValueError:
@@ -115,3 +117,6 @@ def _maximum(a, b):
     if isinstance(a, torch.Tensor):
         return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp_min(b)
     return b.clamp_min(a) if isinstance(b, torch.Tensor) else max(a, b)
+
+
+_CAUSAL = MaskVariant()  # the default, shared (frozen)

@@ -77,7 +77,8 @@ class MLAPlan(Step):
       ``cache_lengths`` and ``input_row_offsets`` (host lists filled from those copies);
     - ``spec``: the ``AttentionSpec`` (scale, mask, sparse top-k, sink);
     - ``token_seq``, ``token_pos``: int64 ``[T]`` sequence and position of every new token;
-    - ``write_rows``: int64 ``[T]`` physical cache row of every new token;
+    - ``write_rows``: int64 ``[T]`` physical cache row of every new token (these three are made on
+      first use on the CPU, with the plan elsewhere);
     - ``num_partitions`` (None: the backend picks), ``buffer_size`` (None: the backend picks);
     - ``form``: ``"decode"`` or ``"prefill"`` (``run``'s choice by the max-new-tokens rule);
     - ``backend``, ``backend_name``: what runs; ``fallback_reason``: why the backend asked for
@@ -97,12 +98,26 @@ class MLAPlan(Step):
         self.head_dim = batch.head_dim  # L+R of the cache's entries
         self.num_tokens = batch.offsets_list[-1]
         self.num_layers = batch.num_layers
-        self.token_seq, self.token_pos = batch.token_positions()
-        self.write_rows = batch.physical_rows(self.token_seq, self.token_pos)
+        self._rows = _TokenRows(batch)  # shared with this plan's views; made now off the CPU (a capture must not copy)
+        if self.device.type != "cpu":
+            self._rows.get()
         self._chunks: dict[int, ChunkPlan] = {}
         self.handle = dispatch.PlanHandle(self)  # how the custom ops carry this plan (made here: not inside a compiled graph)
         self.backend = None  # set by plan(), once: choose_backend
         self.fallback_reason: str | None = None
+
+    # The step's tokens: made on first use on the CPU (an engine that writes the cache itself never needs them).
+    @property
+    def token_seq(self) -> torch.Tensor:
+        return self._rows.get()[0]
+
+    @property
+    def token_pos(self) -> torch.Tensor:
+        return self._rows.get()[1]
+
+    @property
+    def write_rows(self) -> torch.Tensor:
+        return self._rows.get()[2]
 
     @property
     def backend_name(self) -> str:
@@ -171,10 +186,7 @@ class MLAPlan(Step):
         mine.cache_lengths.copy_(snap.cache_lengths)
         mine.input_row_offsets.copy_(snap.input_row_offsets)
         mine._host.refill(snap._host)
-        seq, pos = mine.token_positions()
-        self.token_seq.copy_(seq)
-        self.token_pos.copy_(pos)
-        self.write_rows.copy_(mine.physical_rows(seq, pos))
+        self._rows.refill()
         self._chunks.clear()
         return self
 
@@ -192,7 +204,7 @@ class MLAPlan(Step):
             return self
         check_tensor("blocks", blocks, shape=tuple(mine.shape), dtypes=(mine.dtype,), device=mine.device)
         view = self._view()
-        view.batch = self.batch.with_blocks(blocks)
+        view.batch = self.batch.checked_copy(blocks=blocks)
         return view
 
     def with_sparse(self, sparse_indices: torch.Tensor, topk_lengths: torch.Tensor | None = None, *,
@@ -353,6 +365,25 @@ class MLAPlan(Step):
         else:
             out, lse = dispatch.attention(self, "prefill", layer_idx, q, spec, w_k=w_k, w_uv=w_uv)
         return _finish(out, lse, out_dtype, self.device, return_lse)
+
+
+class _TokenRows:
+    """``(token_seq, token_pos, write_rows)`` of a batch, made once on first use; a refill rewrites
+    them in place (their addresses stay: a captured graph reads them)."""
+
+    def __init__(self, batch: CacheBatch) -> None:
+        self.batch = batch
+        self.rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.rows is None:
+            self.rows = self.batch.token_rows()
+        return self.rows
+
+    def refill(self) -> None:
+        if self.rows is not None:
+            for mine, new in zip(self.rows, self.batch.token_rows()):
+                mine.copy_(new)
 
 
 def _check_return_lse(return_lse: object) -> None:

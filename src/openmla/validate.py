@@ -5,7 +5,6 @@ Every failure is a ``ValueError`` whose message starts with the argument's name.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 
@@ -149,32 +148,37 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
     B = cl.shape[0]
     bt = check_tensor("kv_collection.block_table", b.block_table, shape=(B, None), dtypes=INDEX_DTYPES, device=dev)
     offs = check_tensor("kv_collection.input_row_offsets", b.input_row_offsets, shape=(B + 1,), dtypes=INDEX_DTYPES, device=dev)
-    # Private copies first, then every check reads the copies (one host transfer each).
-    cl, offs, bt = (t.to(torch.int32, copy=True).contiguous() for t in (cl, offs, bt))
-    lens = torch.cat([cl, offs]).cpu().numpy().astype(np.int64)
-    cache_np, offs_np = lens[:B], lens[B:]
-    if offs_np[0] != 0:
-        raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {int(offs_np[0])}")
-    if (np.diff(offs_np) < 0).any():
-        raise ValueError(f"kv_collection.input_row_offsets: must be non-decreasing, got {offs_np.tolist()}")
-    if (cache_np < 0).any():
-        raise ValueError(f"kv_collection.cache_lengths: negative length in {cache_np.tolist()}")
+    # Private copies first, then every check reads the copies (one host transfer for the lengths).
+    lens = torch.cat([cl, offs]).to(torch.int32)  # cat copies: one private tensor for both
+    cl, offs, bt = lens[:B], lens[B:], _private_int32(bt)
+    lens = lens.tolist()
+    cache_lens, offsets = lens[:B], lens[B:]
+    if offsets[0] != 0:
+        raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"kv_collection.input_row_offsets: must be non-decreasing, got {offsets}")
+    if B and min(cache_lens) < 0:
+        raise ValueError(f"kv_collection.cache_lengths: negative length in {cache_lens}")
     ps = b.page_size
-    pages = -(-(cache_np + np.diff(offs_np)) // ps)
+    pages = [-(-(c + offsets[i + 1] - offsets[i]) // ps) for i, c in enumerate(cache_lens)]  # per sequence, never per token
     width = bt.shape[1]
-    if B and int(pages.max()) > width:
-        i = int(np.argmax(pages > width))
-        raise ValueError(f"kv_collection.block_table: sequence {i} needs {int(pages[i])} pages, the table has {width}")
-    if B and width:
-        table = bt.cpu().numpy()
-        used = np.arange(width)[None, :] < pages[:, None]
+    if B and max(pages) > width:
+        i = next(i for i, p in enumerate(pages) if p > width)
+        raise ValueError(f"kv_collection.block_table: sequence {i} needs {pages[i]} pages, the table has {width}")
+    table = bt.numpy() if bt.device.type == "cpu" else bt.cpu().numpy()
+    if table.size and not (0 <= table.min() and table.max() < b.num_pages):  # else every entry is in the pool
+        used = np.arange(width)[None, :] < np.asarray(pages)[:, None]
         bad = used & ((table < 0) | (table >= b.num_pages))
         if bad.any():
             i = int(np.argmax(bad.any(axis=1)))
             raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {b.num_pages})")
-    cache_lens, offsets = cache_np.tolist(), offs_np.tolist()
-    snap = dataclasses.replace(b, block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host=HostLists(cache_lens, offsets))
-    return snap
+    # The fields were checked by the constructor: a shallow copy with the private metadata.
+    return b.checked_copy(block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host=HostLists(cache_lens, offsets))
+
+
+def _private_int32(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous int32 copy of an index tensor (what the kernels read)."""
+    return t.clone(memory_format=torch.contiguous_format) if t.dtype == torch.int32 else t.to(torch.int32).contiguous()
 
 
 def check_sparse(

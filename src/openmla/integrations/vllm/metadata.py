@@ -124,7 +124,8 @@ class OpenMLAMetadataBuilder(MLACommonMetadataBuilder[OpenMLAMetadata]):
     def _plan(self, blocks: torch.Tensor, cm, lo: int, hi: int) -> MLAPlan:
         """The plan of requests ``lo:hi`` of the step."""
         offsets = cm.query_start_loc[lo: hi + 1]
-        offsets = offsets - offsets[0]
+        if lo:  # the prefills: their rows start after the decodes'
+            offsets = offsets - offsets[0]
         cache_lengths = cm.seq_lens[lo:hi] - offsets.diff()  # tokens cached before this step
         batch = CacheBatch(blocks, cm.block_table_tensor[lo:hi], cache_lengths, offsets, page_size=int(blocks.shape[2]),
                            cache_format=self.cache_format, kv_scale=self.kv_scale, rope_dim=self.rope_dim)
