@@ -6,6 +6,7 @@
 | ``decode`` | split-KV kernel + merge kernel (``decode``, ``merge``) |
 | ``prefill`` | dense: per chunk of the plan, gather + torch up-projection + flash kernel + merge |
 | ``flare_mla_prefill`` | the flash kernel on given K/V (``prefill``) |
+| ``shared_kv_attention`` | DeepSeek-V4: split-KV kernel over window + compressed entries + merge with the sink (``shared_kv``) |
 
 Absorption and the output projection are ``openmla.combine``'s ``torch.bmm`` (cuBLAS on GPU);
 sparse prefill reaches ``decode`` through the plan (the absorbed form, the same math).
@@ -29,6 +30,7 @@ from .decode import decode_config, decode_into, default_num_splits
 from .prefill import default_buffer_size
 from .prefill import flare_mla_prefill as _flare_mla_prefill
 from .prefill import prefill as _dense_prefill
+from .shared_kv import shared_kv_into
 
 if TYPE_CHECKING:
     from ..base import PlanView
@@ -82,3 +84,13 @@ class TritonBackend(Backend):
         """The flash kernel on one chunk of given K/V."""
         return _flare_mla_prefill(q, k, v, chunk.buffer_row_offsets, chunk.cache_offsets, plan.batch, layer_idx,
                                   scale=spec.scale, mask=spec.mask, tile=tile)
+
+    def supports_shared_kv(self, plan):
+        if plan.device.type == "cpu" and not _common.INTERPRET:
+            return "it runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 set before triton is first imported"
+        return True
+
+    def shared_kv_attention(self, plan, q):
+        """DeepSeek-V4 attention (``openmla.v4.SharedKVPlan``): ``q [T, H, D]`` -> ``out``, ``lse``."""
+        _common.check_device(q)
+        return shared_kv_into(q, plan)

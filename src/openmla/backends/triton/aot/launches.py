@@ -12,6 +12,8 @@ how a launch specialises, so the tensors are tiny but laid out as in serving:
   divisibility hint for them (the common case);
 - the paged cache is taken to be over 2 GiB (a serving cache for all layers), so on AMD its
   pointers get no 32-bit buffer range; every other tensor fits in 2 GiB.
+- DeepSeek-V4 shared-KV attention (``shared_kv``): entries of 512, 16 and 64 heads, window 128,
+  pages of 64, compressed entries by rule or by rows of 512 picks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from triton.runtime.jit import JITFunction
 from ....cache import CacheBatch
 from ....fp8 import FP8, ds_mla_record_bytes
 from ....masks import MaskVariant
-from .. import _common, cache_write, decode, merge, prefill
+from types import SimpleNamespace
+
+from ....shared_kv_spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec
+from .. import _common, cache_write, decode, merge, prefill, shared_kv
 
 L, R, DN, DV, PAGE = 512, 64, 128, 128, 64
 TOPK = 2048
@@ -144,6 +149,26 @@ def _merges(make: _Make, heads: int = 16) -> None:
     merge.merge_parts(o[:1], lse[:1], offsets, attn_sink=make(3, heads, dtype=torch.float32), out_dtype=torch.bfloat16)
 
 
+def _shared_kv(make: _Make, heads: int, comp: str | None, num_splits: int) -> None:
+    """One V4 attention launch (split kernel + merge with the sink): 3 decode rows of 3 sequences at
+    positions 39, 2 and 69; ``comp`` None (sliding), "rule" (HCA, rate 128) or "indices" (CSA,
+    rate 4, rows of 512 picks)."""
+    D, idx = 512, None
+    raw = PagedEntries(make(7, PAGE, D), make.ints([[0, 1], [2, 3], [4, 5]]), make.ints([40, 3, 70]))
+    keys, compressed, n = None, None, 0
+    if comp is not None:
+        rate = 128 if comp == "rule" else 4
+        if comp == "indices":
+            idx, n = make(3, 512, dtype=torch.int32), 512
+        compressed = PagedEntries(make(5, PAGE, D), make.ints([[0], [1], [2]]), make.ints([0, 0, 0]) + 40 // rate)
+        keys = CompressedKeys(rate, idx)
+    spec = SharedKVSpec(0.04, 128, EntryLayout(D, R), keys, make(heads, dtype=torch.float32))
+    ints = lambda v: torch.tensor(v, dtype=torch.int64, device=make.device)  # noqa: E731  (the plan's int64 rows)
+    plan = SimpleNamespace(spec=spec, raw=raw, compressed=compressed, window_keys=70, compressed_keys=n,
+                           token_seq=ints([0, 1, 2]), token_pos=ints([39, 2, 69]), q_offsets=ints([0, 1, 2, 3]))
+    shared_kv.shared_kv_into(make(3, heads, D), plan, num_splits=num_splits)
+
+
 def record(case: Case, gpu: str, masks: tuple = MASKS, device: str = "cpu") -> list[Launch]:
     """Every launch of ``case`` with the tile configs of a ``gpu`` device ("nvidia", "amd"), on
     tensors on ``device``: the cache write; decode at 16 heads (2 splits) in each mask, dense and
@@ -151,7 +176,8 @@ def record(case: Case, gpu: str, masks: tuple = MASKS, device: str = "cpu") -> l
     block) dense and sparse physical (V3.2 without tensor parallelism); the prefill kernel in
     each mask; the two extra merges (native cases only: their specialisation does not depend on
     the cache). FP8 caches: causal only (a mask changes the same few integer operations whatever
-    the cache holds)."""
+    the cache holds). Native cases also: V4 shared-KV attention at 16 heads (2 splits) without,
+    by rule and by indices over compressed entries, and at 64 heads (1 split) by indices."""
     make = _Make(case, device)
     batch = _batch(case, make)
     masks = masks if case.cache_format == "native" else masks[:1]
@@ -167,6 +193,9 @@ def record(case: Case, gpu: str, masks: tuple = MASKS, device: str = "cpu") -> l
             _prefill(make, batch, mask)
         if case.cache_format == "native":
             _merges(make)
+            for comp in (None, "rule", "indices"):
+                _shared_kv(make, 16, comp, num_splits=2)
+            _shared_kv(make, 64, "indices", num_splits=1)
     return calls
 
 

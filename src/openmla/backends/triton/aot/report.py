@@ -18,6 +18,7 @@ from .targets import TARGETS
 _CODES = {
     "MASK": ("mask", {0: "causal", 1: "null", 2: "sliding_causal", 3: "sliding_noncausal", 4: "chunked_causal"}),
     "SPARSE": ("sparse", {0: "dense", 1: "physical", 2: "logical"}),
+    "COMP": ("compressed", {0: "none", 1: "rule", 2: "indices"}),
 }
 _SHOWN = ("HAS_TOPK", "BLOCK_H", "BLOCK_N", "BLOCK_M", "DOT_T", "HAS_SINK", "SINK_PER_SEQ")
 

@@ -28,6 +28,10 @@ SUBSETS: dict[str, list[dict]] = {
         {"kernel": "_flare_prefill_kernel", "dtype": "bfloat16", "cache": "fp8_ds_mla"},  # 218 on sm_90, 250 on gfx942
         {"kernel": "_flare_prefill_kernel", "dtype": "float16", "cache": "fp8_ds_mla"},  # float32 dots (issue 25 item 3)
         {"kernel": "_merge_kernel", "dtype": "bfloat16", "cache": "native", "variant_has": "SINK_PER_SEQ=False"},
+        # V4 shared-KV, 32-head blocks over top-k picks: 194 regs on sm_90, 242 VGPRs on gfx942 (2026-12-02)
+        {"kernel": "_shared_kv_split_kernel", "dtype": "bfloat16", "compressed": "indices", "variant_has": "BLOCK_H=32"},
+        # float32 dots: 348 VGPRs + 92 AGPRs on gfx942, no VGPR spills (sm_90: 212 regs)
+        {"kernel": "_shared_kv_split_kernel", "dtype": "float32", "compressed": "indices", "target": "gfx942"},
     ],
 }
 
