@@ -30,6 +30,8 @@ from cpu_backends import hooks, use_backend
 
 FORMATS = ["nvfp4_ds_mla", "nvfp4_fp8rope"]
 L, R = 512, 64
+pytestmark = pytest.mark.usefixtures("one_thread")  # small calls: one thread, no stall when another process takes a core
+ONE_LAYER = dict(num_layers=1, layer_idx=0)  # make_case's default is 2 layers (reading layer 1)
 SCALES_AT = {"nvfp4_ds_mla": lambda g: 256 + g, "nvfp4_fp8rope": lambda g: 320 + 8 * (g % 4) + g // 4}
 
 
@@ -82,18 +84,19 @@ def native_plan(batch: CacheBatch, scale: float, **kw):
     return plan
 
 
-def check_decode(case: Case, q_abs: torch.Tensor, reg_units=None, tol: float | None = None, **kw):
-    """Native decode against the float64 reference on the dequantised cache; where the build has the
-    register path and the products are float32 (dense), that path must be the one that ran."""
+def check_decode(case: Case, q_abs: torch.Tensor, reg_units=None, dense: CacheBatch | None = None, **kw):
+    """Native decode against the float64 reference on the dequantised cache (``dense``: made here
+    when not given); where the build has the register path and the products are float32 (dense
+    decode), that path must be the one that ran."""
     from openmla.backends.cpu import kernels
 
     before = reg_units() if reg_units else None
     out, lse = native_plan(case.batch, case.scale, **kw).decode(q_abs, case.layer_idx, kv_lora_rank=L, return_lse=True)
-    ref_plan = openmla.plan(dequantised(case.batch), scale=case.scale, backend="reference", **kw)
+    ref_plan = openmla.plan(dense or dequantised(case.batch), scale=case.scale, backend="reference", **kw)
     want, want_lse = ref_plan.decode(q_abs.double(), case.layer_idx, kv_lora_rank=L, return_lse=True)
     if reg_units is not None and kernels.compute_dtype(q_abs.dtype) == torch.float32 and "sparse_indices" not in kw:
         assert reg_units() > before, "the register-dequantising decode did not run"
-    tol = tol or TOL[q_abs.dtype]
+    tol = TOL[q_abs.dtype]
     assert_close(out, want, tol, "out", case.seed)
     assert_lse(lse, want_lse, max(tol, 1e-6), case.seed)
     return out, lse
@@ -101,16 +104,16 @@ def check_decode(case: Case, q_abs: torch.Tensor, reg_units=None, tol: float | N
 
 # Decode: ragged batches, page sizes, head counts, several query tokens --------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("page_size,H", [(1, 1), (1, 20), (16, 16), (16, 128), (64, 1), (64, 20), (64, 128), (16, 3)])
+@pytest.mark.parametrize("page_size,H", [(1, 1), (1, 20), (16, 16), (16, 128), (64, 3), (64, 20), (64, 128)])
 def test_decode_ragged(reg_units, fmt, page_size, H):
     """Caches of 0, 1 and longer (past a 256-key block), 0 to 3 new tokens per sequence, free pages
     of 0xFF; default and forced split-KV with sinks."""
     case = make_case([0, 1, 37, 300, 4], [1, 2, 1, 3, 0], config=config(H), page_size=page_size, cache_dtype=fmt,
-                     spare_pages=3)
+                     spare_pages=3, **ONE_LAYER)
     poison_unused_rows(case)
-    q_abs = q_abs_for(case)
-    check_decode(case, q_abs, reg_units)
-    check_decode(case, q_abs, reg_units, num_partitions=3, attn_sink=torch.linspace(-1, 1, H))
+    q_abs, dense = q_abs_for(case), dequantised(case.batch)
+    check_decode(case, q_abs, reg_units, dense)
+    check_decode(case, q_abs, reg_units, dense, num_partitions=3, attn_sink=torch.linspace(-1, 1, H))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -126,7 +129,8 @@ def test_decode_masks_multi_token(reg_units, fmt, mask, extra):
 def test_decode_bf16_query(reg_units, fmt):
     """bf16 queries: float32 products where the CPU has no bf16 brgemm (the register path), bf16
     products over a key buffer of exact bf16 values where it has."""
-    case = make_case([0, 90, 1], [1, 1, 2], config=config(16), page_size=16, cache_dtype=fmt, dtype=torch.bfloat16)
+    case = make_case([0, 90, 1], [1, 1, 2], config=config(16), page_size=16, cache_dtype=fmt, dtype=torch.bfloat16,
+                     **ONE_LAYER)
     poison_unused_rows(case)
     check_decode(case, q_abs_for(case, torch.bfloat16), reg_units)
 
@@ -135,7 +139,7 @@ def test_decode_bf16_query(reg_units, fmt):
 @pytest.mark.parametrize("physical", [True, False])
 def test_sparse_decode(fmt, physical):
     """Sparse top-k units decode the listed records into the key buffer."""
-    case = make_case([40, 0, 300], [1, 1, 2], config=config(8), page_size=16, cache_dtype=fmt)
+    case = make_case([40, 0, 300], [1, 1, 2], config=config(8), page_size=16, cache_dtype=fmt, **ONE_LAYER)
     poison_unused_rows(case)
     b = case.batch
     g = torch.Generator().manual_seed(case.seed + 2)
@@ -161,13 +165,13 @@ def test_register_path_matches_widened_path(reg_units, fmt):
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        case = make_case([2000, 1], [1, 1], config=config(8), page_size=64, cache_dtype=fmt)
+        case = make_case([1200, 1], [1, 1], config=config(8), page_size=64, cache_dtype=fmt, **ONE_LAYER)
         poison_unused_rows(case)
-        q_abs = q_abs_for(case)
-        reg, _ = check_decode(case, q_abs, reg_units)
+        q_abs, dense = q_abs_for(case), dequantised(case.batch)
+        reg, _ = check_decode(case, q_abs, reg_units, dense)
         ops.set_reg_dequant(False)
         before = reg_units()
-        wide, _ = check_decode(case, q_abs)
+        wide, _ = check_decode(case, q_abs, dense=dense)
         assert reg_units() == before
         assert_close(reg, wide, 1e-5, "register vs widened", case.seed)
     finally:
@@ -179,7 +183,7 @@ def test_register_path_matches_widened_path(reg_units, fmt):
 def test_every_code_and_scale_byte(reg_units, fmt):
     """Records of random bytes: all 16 e2m1 codes in every nibble position, every finite e4m3
     scale byte (subnormals, both signs, 448), random rope bytes (finite bf16, or finite e4m3)."""
-    case = make_case([255], [1], config=config(8), page_size=16, cache_dtype=fmt)
+    case = make_case([255], [1], config=config(8), page_size=16, cache_dtype=fmt, **ONE_LAYER)
     b = case.batch
     g = torch.Generator().manual_seed(case.seed)
     rows = ref.physical_rows(b, 0, torch.arange(256))
@@ -205,7 +209,7 @@ def test_nan_in_a_visible_key_reaches_only_the_rows_that_see_it(reg_units, fmt, 
     """A NaN scale (or rope value) in key 7 of sequence 0: NaN in every output row that sees that
     key, as in the reference; rows whose window ends before it and the other sequence stay finite
     (the V stripe reads a NaN scale as 0 where P is 0)."""
-    case = make_case([40, 9], [1, 1], config=config(2), page_size=16, cache_dtype=fmt)
+    case = make_case([40, 9], [1, 1], config=config(2), page_size=16, cache_dtype=fmt, **ONE_LAYER)
     b = case.batch
     cols = [SCALES_AT[fmt](3)] if part == "scale" else ([304, 305] if fmt == "nvfp4_ds_mla" else [256])
     raw(b, case.layer_idx)[ref.physical_rows(b, 0, torch.tensor([7]))[:, None], torch.tensor(cols)] = 0xFF
@@ -268,6 +272,25 @@ def test_native_write_stores_the_reference_records(fmt):
     sees[40] = True
     assert torch.isnan(got[sees]).all() and torch.isnan(want[sees]).all()
     assert_close(got[~sees], want[~sees], TOL[torch.float32], "out", case.seed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [(0, L + R), (L, L + R), (100, 530)], ids=["entry", "rope", "middle"])
+def test_gather_decodes_records_exactly(fmt, dtype, cols):
+    """The native gather (prefill chunks; the key buffer uses the same row decoder) in float32 and
+    in bf16 (what bf16 products read): e2m1 x e4m3 and the rope values are exact in both, so it
+    equals the cache's own read, column range by column range."""
+    from openmla.backends.cpu import kernels
+    from openmla.backends.cpu.backend import _layer
+
+    case = make_case([37, 0, 80], [2, 1, 3], config=config(2), page_size=16, cache_dtype=fmt)
+    b = case.batch
+    spans = [(0, 3, 30), (2, 0, 83), (1, 0, 1)]
+    got = kernels.gather(_layer(b, case.layer_idx), spans, kv_lora_rank=L, rope_dim=R, cols=cols, dtype=dtype)
+    rows = torch.cat([ref.physical_rows(b, s, torch.arange(p, p + n)) for s, p, n in spans])
+    want = b.read_rows(case.layer_idx, rows, torch.float64)[:, cols[0]:cols[1]]
+    assert got.dtype == dtype and torch.equal(got.double(), want), f"seed {case.seed}"
 
 
 def test_the_kernels_refuse_records_of_another_shape():
