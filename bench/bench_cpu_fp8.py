@@ -19,7 +19,9 @@ one thread and wall on ``--threads``) and the float32 matmul rate (1024^3, same 
 Roofline time = max(FLOPs / matmul rate, cache bytes / copy bandwidth); FLOPs
 2*B*H*n*(576+512). Times are also given relative to bf16 and to float32. ``--widened`` also times
 the quantized formats on the path that widens each key block into a buffer first (the test
-build's switch; builds the test variant of the kernels).
+build's switch; builds the test variant of the kernels). ``--torch`` also times the NVFP4 formats on
+the ``torch`` backend (what ``backend="cpu"`` fell back to for them before the native kernels read
+them).
 ``--prefill``: ``mla_prefill`` of 2 x 512 new tokens at H=16 per format (1 thread CPU time).
 JSON goes to ``bench/out/cpu_fp8.json`` (``--json``).
 """
@@ -131,6 +133,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--widened", action="store_true", help="also the quantized formats on the widening path (test build)")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--torch", action="store_true", help="also the NVFP4 formats on the torch backend (the old fallback)")
     ap.add_argument("--prefill", action="store_true", help="also prefill, 2 x 512 new tokens at H=16, per cache format")
     ap.add_argument("--json", default=str(OUT / "cpu_fp8.json"))
     args = ap.parse_args()
@@ -150,6 +153,10 @@ def main() -> None:
             cases[fmt] = (step, q, bpt, True)
             if args.widened and fmt not in NATIVE:
                 cases[f"{fmt} widened"] = (step, q, bpt, False)
+            if args.torch and fmt.startswith("nvfp4"):
+                import openmla
+
+                cases[f"{fmt} torch"] = (openmla.plan(step.batch, scale=step.spec.scale, backend="torch"), q, bpt, True)
 
         def call(name):
             step, q, _, reg = cases[name]
