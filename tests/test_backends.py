@@ -12,7 +12,7 @@ import torch
 import openmla
 from openmla import backends
 
-from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
+from cases import MASK_CASES, NO_ROPE_SCENARIOS, TOL, assert_close, assert_lse, make_case, scenario_case, small_config
 
 REGISTRY_LINE = "einsum_backend:EinsumBackend"  # tests/ is on sys.path (conftest.py)
 
@@ -86,3 +86,54 @@ def test_unknown_and_unavailable_backends_are_value_errors(monkeypatch):
     monkeypatch.setitem(backends.REGISTRY, "missing", "no_such_module_here:X")
     with pytest.raises(ValueError, match="^backend: the missing backend is unavailable here"):
         backends.load_backend("missing")
+
+
+# Shared scenarios on every backend -----------------------------------------------------------
+def _ready(name: str, monkeypatch) -> str:
+    """``name`` prepared for one test; skipped where it cannot run here."""
+    if name == "cpu":
+        from cpu_backends import use_backend
+
+        return use_backend("cpu", monkeypatch)  # NaN-poisoned outputs and scratch; skips without the kernels
+    if name == "triton":
+        try:
+            from openmla.backends.triton import _common
+        except ImportError:
+            pytest.skip("triton unavailable")
+        if not (torch.cuda.is_available() or _common.INTERPRET):
+            pytest.skip("triton needs CUDA or its interpreter")
+    return name
+
+
+# Triton's interpreter is slow on the CPU: it runs the decode-form scenarios and one prefill.
+ON_TRITON = {s.name for s in NO_ROPE_SCENARIOS if s.new_lens and max(s.new_lens) <= 6 or s.name == "prefill-p1-h2-swn-sink"}
+NO_ROPE_PARAMS = [pytest.param(b, s, id=f"{b}-{s.name}") for b in ("torch", "cpu", "triton") for s in NO_ROPE_SCENARIOS
+                  if b != "triton" or s.name in ON_TRITON]
+
+
+@pytest.mark.parametrize("backend,scenario", NO_ROPE_PARAMS)
+def test_mla_without_rope(backend, scenario, monkeypatch):
+    """R = 0: entries are the latent alone, q is Dn nope dims, nothing rotates; the fused op (cache
+    write, then the plan's form) and the absorbed piece against the float64 reference."""
+    name = _ready(backend, monkeypatch)
+    case, opts = scenario_case(scenario)
+    assert case.batch.head_dim == scenario.L and case.freqs_cis.shape[1] == 0
+    plan, (out, lse), (w_out, w_lse), (a, b) = run_both(case, name, **opts)
+    assert plan.backend_name == name, plan.fallback_reason
+    assert_close(out, w_out, scenario.tol, f"{name} vs reference", case.seed)
+    assert_lse(lse, w_lse, scenario.tol, case.seed)
+    assert_close(a.batch.blocks.float(), b.batch.blocks.float(), scenario.tol, "cache write", case.seed)
+    if max(scenario.new_lens) > 6:
+        return
+    # The unfused absorbed piece: q [T, H, L] against the entries just written.
+    q_abs = torch.randn(case.q.shape[0], scenario.heads, scenario.L, generator=torch.Generator().manual_seed(case.seed))
+    got = plan.decode(q_abs.to(scenario.dtype), case.layer_idx, kv_lora_rank=scenario.L)
+    want = openmla.plan(b.batch, scale=case.scale, backend="reference", **opts).decode(
+        q_abs.to(scenario.dtype), case.layer_idx, kv_lora_rank=scenario.L)
+    assert_close(got, want, scenario.tol, f"{name} decode piece", case.seed)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope"])
+def test_record_formats_refuse_mla_without_rope(fmt):
+    with pytest.raises(ValueError, match="^rope_dim: .*(rope width >= 2|64 rope values)"):
+        openmla.PagedLatentCache(1, 2, 4, 512, dtype=fmt, rope_dim=0)

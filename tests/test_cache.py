@@ -238,16 +238,19 @@ def test_batch_for_registers_nothing():
 
 @pytest.mark.parametrize("bad", [
     dict(num_layers=0), dict(num_layers=True), dict(num_pages=2.0), dict(num_pages=-3), dict(page_size=None),
-    dict(head_dim="8"), dict(rope_dim=0), dict(rope_dim=3), dict(dtype=torch.int16), dict(dtype=torch.float8_e5m2),
+    dict(head_dim="8"), dict(rope_dim=-2), dict(rope_dim=3), dict(dtype=torch.int16), dict(dtype=torch.float8_e5m2),
     dict(dtype="bf16"), dict(dtype=None), dict(device="nowhere"), dict(device="meta"), dict(device=3.5),
     dict(kv_scale=0.0), dict(kv_scale=-1.0), dict(kv_scale=float("nan")), dict(kv_scale=float("inf")), dict(kv_scale=1e-60),
     dict(kv_scale="1"), dict(kv_scale=True), dict(num_pages=2**27, page_size=64),
     dict(dtype="fp8_ds_mla", head_dim=100, rope_dim=36),
+    dict(dtype="fp8_ds_mla", head_dim=128, rope_dim=0), dict(dtype="nvfp4_ds_mla", head_dim=512, rope_dim=0),
+    dict(dtype="nvfp4_fp8rope", head_dim=512, rope_dim=0),
 ])
 def test_constructor_checks_every_argument(bad):
     args = dict(num_layers=1, num_pages=2, page_size=4, head_dim=8, dtype=torch.float32, device="cpu", rope_dim=2, kv_scale=1.0)
     args.update(bad)
-    name = next(iter(bad)) if len(bad) == 1 else ("num_pages" if "num_pages" in bad else "head_dim")
+    name = next(iter(bad)) if len(bad) == 1 else ("num_pages" if "num_pages" in bad else
+                                                  "rope_dim" if bad.get("rope_dim") == 0 else "head_dim")
     with pytest.raises(ValueError, match=f"^{name}"):
         PagedLatentCache(**args)
 
@@ -291,7 +294,7 @@ def good_fields():
     ("blocks", {"cache_format": "fp8_e4m3"}),  # float32 blocks are not a fp8_e4m3 cache
     ("kv_scale", {"kv_scale": lambda f: torch.ones(5)}),
     ("kv_scale", {"kv_scale": lambda f: torch.ones(2, dtype=torch.float64)}),
-    ("rope_dim", {"rope_dim": lambda f: 0}),
+    ("rope_dim", {"rope_dim": lambda f: -2}),
     ("rope_dim", {"rope_dim": lambda f: "64"}),
     ("ticket", {"ticket": lambda f: "mine"}),
 ])

@@ -147,3 +147,26 @@ def test_merge_states_with_empty_parts():
     torch.testing.assert_close(mo, o) and torch.testing.assert_close(ml, lse)
     mo, ml = openmla.merge_states(empty_o, empty_l, empty_o, empty_l)
     assert torch.all(mo == 0) and torch.all(ml == -math.inf) and not torch.isnan(mo).any()
+
+
+@pytest.mark.parametrize("decode_form", [False, True], ids=["prefill", "decode"])
+def test_no_rope_equals_a_zero_rope_part(decode_form):
+    """R = 0 (entries of the latent alone) gives what R = 2 gives when q's and kv's rope parts are 0:
+    the oracle's R = 0 path is the math without a rope term, not a special case of its own."""
+    cfg0, cfg2 = small_config(num_heads=3, R=0), small_config(num_heads=3, R=2)
+    no_rope = make_case([5, 0, 9], [3, 1, 6], dtype=F64, config=cfg0, page_size=4)
+    L, Dn = cfg0.kv_lora_rank, cfg0.qk_nope_head_dim
+    zero = make_case([5, 0, 9], [3, 1, 6], dtype=F64, config=cfg2, page_size=4, seed=no_rope.seed)
+    zero.batch.blocks.view(-1, L + 2)[:, :L] = no_rope.batch.blocks.view(-1, L)  # the same cached latents, rope part 0
+    zero.batch.blocks.view(-1, L + 2)[:, L:] = 0
+    q2 = torch.cat([no_rope.q, torch.zeros(*no_rope.q.shape[:2], 2, dtype=F64)], dim=-1)
+    kv2 = torch.cat([no_rope.kv, torch.zeros(no_rope.kv.shape[0], 2, dtype=F64)], dim=-1)
+    scale = 0.2
+    got, got_lse = ref.mla_prefill_decode_graph(no_rope.q, no_rope.kv, no_rope.freqs_cis, no_rope.gamma, no_rope.batch, 1,
+                                                no_rope.w_k, no_rope.w_uk, no_rope.w_uv, scale=scale, use_decode_form=decode_form)
+    want, want_lse = ref.mla_prefill_decode_graph(q2, kv2, zero.freqs_cis, no_rope.gamma, zero.batch, 1, no_rope.w_k,
+                                                  no_rope.w_uk, no_rope.w_uv, scale=scale, use_decode_form=decode_form)
+    assert no_rope.freqs_cis.shape[1] == 0 and no_rope.batch.head_dim == L
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(no_rope.batch.blocks.view(-1, L), zero.batch.blocks.view(-1, L + 2)[:, :L], rtol=0, atol=0)

@@ -218,6 +218,22 @@ def test_flare_chunks_merge_to_full(mask, extra):
     assert_lse(lse, want_lse, 1e-5, case.seed)
 
 
+def test_flare_chunks_without_rope():
+    """R = 0: q is Dn wide, k Dn wide, no rope columns are read from the L-wide entries."""
+    case = prefill_case([7, 0, 2], [9, 1, 12], dims=dict(R=0), page_size=4)
+    b = case.batch
+    bro, co, blen = openmla.mla_prefill_plan(b.input_row_offsets, b, 11, 8)
+    out = lse = None
+    for c in range(int((blen >= 0).sum())):
+        k, v = up_projected_buffer(case, bro[c], co[c])
+        part = openmla.flare_mla_prefill(case.q, k, v, bro[c], co[c], b, case.layer_idx, scale=case.scale,
+                                         return_lse=True, backend=BACKEND, mask="sliding_window_causal", window_size=5)
+        out, lse = part if out is None else openmla.merge_states(out, lse, *part)
+    want, want_lse = ref_prefill(case, mask="sliding_window_causal", window_size=5)
+    assert_close(out, want, 1e-5, "merged chunks", case.seed)
+    assert_lse(lse, want_lse, 1e-5, case.seed)
+
+
 def test_flare_rows_without_keys():
     # A chunk with only late keys: early queries see none of them -> zeros and -inf, never NaN.
     case = prefill_case([0, 4], [24, 12])

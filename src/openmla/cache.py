@@ -195,8 +195,8 @@ class CacheBatch:
         record = RECORDS.get(self.cache_format)
         if self.rope_dim is not None or record is not None:
             R = self.rope_dim
-            if isinstance(R, bool) or not isinstance(R, int) or R < 1:
-                fail("rope_dim", f"expected a positive int (the rope width R), got {R!r}")
+            if isinstance(R, bool) or not isinstance(R, int) or R < 0:
+                fail("rope_dim", f"expected an int >= 0 (the rope width R), got {R!r}")
             if record is not None and not record.fits(int(blocks.shape[3]), R):
                 why = record.shape_error(record.latent_rank(int(blocks.shape[3]), R), R)
                 fail("rope_dim", f"{R} does not split {blocks.shape[3]}-byte {self.cache_format} records into a latent and "
@@ -431,8 +431,10 @@ class PagedLatentCache:
         NVFP4 ones for L=512, R=64 only (``openmla.nvfp4``). ``rope_dim`` is R (read by the record
         formats). Every argument is checked: ``ValueError`` naming it."""
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
-                            ("head_dim", head_dim), ("rope_dim", rope_dim)):
+                            ("head_dim", head_dim)):
             _positive_int(name, value)
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
+            raise ValueError(f"rope_dim: expected an int >= 0 (R; 0: entries without a rope part), got {rope_dim!r}")
         if num_pages * page_size > INT32_MAX:
             raise ValueError(f"num_pages: {num_pages} pages of {page_size} rows exceed the int32 row index")
         if rope_dim % 2:

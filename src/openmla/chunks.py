@@ -143,7 +143,7 @@ def check_chunk(q: torch.Tensor, k: object, v: object, buffer_row_offsets: objec
     S = check_tensor("k", k, shape=(None, H, None), dtypes=FLOAT_DTYPES, device=dev).shape[0]
     check_tensor("v", v, shape=(S, H, None), dtypes=FLOAT_DTYPES, device=dev)
     R = qd - k.shape[2]
-    if R < 1 or R >= batch.head_dim:
+    if R < 0 or R >= batch.head_dim:
         raise ValueError(f"k: depth {k.shape[2]} leaves {R} rope dims of q's {qd}")
     B = batch.batch_size
     bro = check_offsets("buffer_row_offsets", buffer_row_offsets, S, dev)

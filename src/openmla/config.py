@@ -59,9 +59,10 @@ class MLAConfig:
     def __post_init__(self) -> None:
         for attr in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size"):
             value = getattr(self, attr)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{attr} must be a positive int, got {value!r}")
-        if self.qk_rope_head_dim % 2:
+            if not isinstance(value, int) or value < (0 if attr == "qk_rope_head_dim" else 1):
+                kind = "an int >= 0" if attr == "qk_rope_head_dim" else "a positive int"
+                raise ValueError(f"{attr} must be {kind}, got {value!r}")
+        if self.qk_rope_head_dim % 2:  # 0 is MLA without a rope part (the key is the latent alone)
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank must be None or positive, got {self.q_lora_rank}")

@@ -47,7 +47,7 @@ def _ds_mla_shape_error(L: int, R: int) -> tuple[str, str] | None:
         return "head_dim", (f"fp8_ds_mla needs head_dim - rope_dim (the kv_lora_rank L) a positive multiple of {fp8.DS_MLA_GROUP}, "
                             f"got {L + R} - {R}")
     if R < 2 or R % 2:
-        return "rope_dim", f"fp8_ds_mla needs an even rope width, got {R}"
+        return "rope_dim", f"fp8_ds_mla needs an even rope width >= 2 (its record has a bf16 rope part), got {R}"
     return None
 
 

@@ -243,9 +243,9 @@ class MLAPlan(Step):
             raise ValueError(f"weights: on {weights.device}, the cache is on {self.device}")
         H, L, Dn = weights.num_heads, weights.kv_lora_rank, weights.qk_nope_head_dim
         R = self.head_dim - L
-        if R < 2 or R % 2:
+        if R < 0 or R % 2:
             raise ValueError(f"weights: latent width {L} leaves {R} rope dims of the cache's {self.head_dim}-wide entries "
-                             "(need an even R >= 2)")
+                             "(need an even R >= 0)")
         if q.shape[1:] != (H, Dn + R):
             raise ValueError(f"q: expected shape ({self.num_tokens}, {H}, {Dn + R}) for these weights, got {tuple(q.shape)}")
         if not (type(kv) is torch.Tensor and kv.shape == (self.num_tokens, L + R) and kv.dtype in FLOAT_DTYPES
@@ -305,8 +305,8 @@ class MLAPlan(Step):
         L = check_tensor("kv_norm_gamma", kv_norm_gamma, rank=1, dtypes=FLOAT_DTYPES, device=self.device).shape[0]
         check_tensor("kv", kv, shape=(self.num_tokens, None), dtypes=FLOAT_DTYPES, device=self.device)
         R = kv.shape[1] - L
-        if R < 2 or R % 2:
-            raise ValueError(f"kv: width {kv.shape[1]} minus kv_norm_gamma's {L} leaves {R} rope dims (need an even R >= 2)")
+        if R < 0 or R % 2:
+            raise ValueError(f"kv: width {kv.shape[1]} minus kv_norm_gamma's {L} leaves {R} rope dims (need an even R >= 0)")
         if L + R != self.batch.head_dim:
             raise ValueError(f"kv: width {L + R} must equal the cache entry width {self.batch.head_dim} (L+R)")
         check_tensor("freqs_cis", freqs_cis, shape=(None, R), dtypes=(torch.float32, torch.float64), device=self.device)
@@ -332,7 +332,8 @@ class MLAPlan(Step):
         q, out_dtype = check_query(q, q_scale, self.num_tokens, self.device, self.batch.head_dim)
         layer_idx = self._layer(layer_idx)
         _check_return_lse(return_lse)
-        check_int("kv_lora_rank", kv_lora_rank, 1, q.shape[2])
+        # kv_lora_rank == L+R: entries without a rope part (a cache made with rope_dim 0, or one that does not say)
+        check_int("kv_lora_rank", kv_lora_rank, 1, q.shape[2] + (0 if self.batch.rope_dim else 1))
         spec = self._sink(attn_sink, q.shape[1])
         out, lse = dispatch.attention(self, "decode", layer_idx, q, spec, kv_lora_rank=kv_lora_rank)
         return _finish(out, lse, out_dtype, self.device, return_lse)
@@ -358,7 +359,7 @@ class MLAPlan(Step):
         L = w_uv.shape[2]
         R = self.batch.head_dim - L
         Dn = qd - R
-        if R < 1 or Dn < 1:
+        if R < 0 or Dn < 1:
             raise ValueError(f"w_uv: latent width {L} leaves {R} rope dims of q's {qd} (cache entries are {self.batch.head_dim} wide)")
         check_tensor("w_k", w_k, shape=(H * Dn, L), dtypes=FLOAT_DTYPES, device=self.device)
         spec = self._sink(attn_sink, H)

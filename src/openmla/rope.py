@@ -57,7 +57,7 @@ def rope_freqs_cis(config: MLAConfig, max_seq_len: int, device: torch.device | s
     inv_freq = rope_inv_freq(config)
     angles = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
     m = rope_magnitude(config)
-    table = torch.stack((angles.cos() * m, angles.sin() * m), dim=-1).reshape(max_seq_len, -1)
+    table = torch.stack((angles.cos() * m, angles.sin() * m), dim=-1).reshape(max_seq_len, 2 * inv_freq.shape[0])  # R may be 0
     return table.to(device=device, dtype=torch.float32)
 
 

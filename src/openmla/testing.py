@@ -163,3 +163,76 @@ def assert_lse(got: torch.Tensor, want: torch.Tensor, tol: float, seed: int) -> 
     if (~empty).any():
         err = float((got[~empty] - want[~empty]).abs().max() / want[~empty].abs().max().clamp_min(1.0))
         assert err <= tol, f"lse: err {err:.3g} > {tol} (seed {seed})"
+
+
+# Shared scenario lists (one list, every backend) ---------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    """One random step for ``scenario_case``: ragged lengths (0 and 1 included), page size, dims,
+    dtypes, and ``plan`` options. ``sparse``: None, ``"logical"`` or ``"physical"`` top-k lists
+    (5 slots per token, some -1, ``topk_lengths`` cutting the lists); ``sink``: a per-head sink."""
+
+    name: str
+    cache_lens: tuple[int, ...]
+    new_lens: tuple[int, ...]
+    page_size: int = 16
+    heads: int = 3
+    L: int = 64
+    R: int = 0
+    Dn: int = 32
+    Dv: int = 32
+    dtype: torch.dtype = torch.float32
+    cache_dtype: str | None = None
+    options: tuple = ()  # plan options as (name, value) pairs
+    sparse: str | None = None
+    sink: bool = False
+
+    @property
+    def tol(self) -> float:
+        return TOL[self.dtype]
+
+
+def scenario_case(s: Scenario, seed: int | None = None) -> tuple[Case, dict]:
+    """The ``Case`` of a scenario and the ``openmla.plan`` options it runs with."""
+    case = make_case(list(s.cache_lens), list(s.new_lens), config=small_config(s.heads, s.L, s.R, s.Dn, s.Dv),
+                     page_size=s.page_size, dtype=s.dtype, cache_dtype=s.cache_dtype, kv_scale=0.5 if s.cache_dtype else 1.0,
+                     seed=seed)
+    g = torch.Generator().manual_seed(case.seed + 7)
+    opts = dict(s.options)
+    if s.sink:
+        opts["attn_sink"] = torch.randn(s.heads, generator=g)
+    if s.sparse:
+        b = case.batch
+        seq = torch.repeat_interleave(torch.arange(b.batch_size), torch.tensor(b.new_tokens_list))
+        lens = torch.tensor(b.seq_lens_list, dtype=torch.long)[seq]
+        pos = (torch.rand(seq.shape[0], 5, generator=g) * lens[:, None]).long()
+        idx = pos
+        if s.sparse == "physical":
+            table = b.block_table.long()[seq]
+            idx = table.gather(1, pos // s.page_size) * s.page_size + pos % s.page_size
+        idx = torch.where(torch.rand(idx.shape, generator=g) < 0.2, -1, idx).to(torch.int32)
+        opts.update(sparse_indices=idx, topk_lengths=torch.full((b.batch_size,), 4, dtype=torch.int32),
+                    physical_indices=s.sparse == "physical")
+    return case, opts
+
+
+# MLA without a rope part (R = 0: the key is the latent alone, q is its Dn nope dims; GLM-5-Next,
+# some of Mistral Large 4's layers): dense, sparse, split-KV, sinks, masks, both forms, page sizes
+# 1/16/64, several head counts, a fp8_e4m3 cache and DeepSeek's L = 512.
+NO_ROPE_SCENARIOS = [
+    Scenario("decode-p1-h1", (0, 1, 5, 17), (1, 1, 0, 1), page_size=1, heads=1),
+    Scenario("decode-p16-h5-split-sink", (5, 0, 3, 40), (1, 2, 0, 1), heads=5, options=(("num_partitions", 3),), sink=True),
+    Scenario("decode-p64-h16-swc", (70, 2, 0), (2, 1, 1), page_size=64, heads=16,
+             options=(("mask", "sliding_window_causal"), ("window_size", 5))),
+    Scenario("decode-p16-sparse-logical", (20, 7, 0), (2, 1, 1), sparse="logical", options=(("mask", "null"),)),
+    Scenario("decode-p16-sparse-physical-sink", (20, 7, 1), (1, 1, 2), sparse="physical", sink=True),
+    Scenario("prefill-p16-h3-chunked", (9, 0, 3, 1), (7, 1, 0, 8), options=(("mask", "chunked_causal"), ("chunk_size", 7),
+                                                                            ("buffer_size", 8))),
+    Scenario("prefill-p1-h2-swn-sink", (4, 0), (7, 8), page_size=1, heads=2,
+             options=(("mask", "sliding_window_noncausal"), ("window_size", 9)), sink=True),
+    Scenario("prefill-p64-sparse-logical", (30, 0), (7, 8), page_size=64, sparse="logical"),
+    Scenario("fp8-e4m3-decode", (9, 0, 5), (1, 2, 1), L=128, cache_dtype="fp8_e4m3"),
+    Scenario("fp8-e4m3-prefill", (9, 0, 5), (8, 7, 0), L=128, cache_dtype="fp8_e4m3"),
+    Scenario("bf16-L512-decode", (33, 0, 2), (1, 3, 1), heads=4, L=512, Dn=64, Dv=64, dtype=torch.bfloat16),
+    Scenario("bf16-L512-prefill", (3, 0), (7, 8), heads=2, L=512, Dn=64, Dv=64, dtype=torch.bfloat16),
+]

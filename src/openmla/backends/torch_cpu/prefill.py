@@ -181,7 +181,7 @@ def flare_mla_prefill(
     spans = chunk_spans(batch, mask, chunk.bro, chunk.co)
     if spans:
         rows = torch.cat([torch.arange(s.buffer_row, s.buffer_row + s.k_hi - s.k_lo, device=k.device) for s in spans])
-        rope = _cache_entries(batch, layer_idx, spans, dtype)[:, Dn - Dq:]
+        rope = _cache_entries(batch, layer_idx, spans, dtype)[:, batch.head_dim - (Dq - Dn):]  # the R rope columns (R may be 0)
         keys = _head_major_keys(k.index_select(0, rows).to(dtype), rope)
         values = v.index_select(0, rows).to(dtype).transpose(0, 1).contiguous()
         block_m, block_n = pick_tiles(tile, H)

@@ -137,7 +137,8 @@ def _decode_split_kernel(
     dr = tl.arange(0, BLOCK_R)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + dl[None, :], mask=head_ok[:, None] & (dl[None, :] < L), other=0.0).to(DOT_T)
-    q_rope = tl.load(q_row + L + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
+    if R > 0:  # R = 0: MLA without a rope part, no rope loads or dot at all
+        q_rope = tl.load(q_row + L + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -147,11 +148,12 @@ def _decode_split_kernel(
         rows, valid = _tile_rows(n0, end, lo, hi, table, sparse_row, page_size, max_pages, num_pages, SPARSE, BLOCK_N)
         k_lat = tl.load(lat_ptr + rows[:, None] * stride_lat + dl[None, :], mask=valid[:, None] & (dl[None, :] < L),
                         other=0.0).to(DOT_T)
-        k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :], mask=valid[:, None] & (dr[None, :] < R),
-                         other=0.0).to(DOT_T)
 
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        if R > 0:
+            k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :], mask=valid[:, None] & (dr[None, :] < R),
+                             other=0.0).to(DOT_T)
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # base-2 logits
 
         p, alpha, l_i, m_new = online_softmax_step(s, m_i, l_i)

@@ -78,7 +78,8 @@ def _flare_prefill_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q_row = q_ptr + (q_start + i).to(tl.int64)[:, None] * stride_qt + h * stride_qh
     q_nope = tl.load(q_row + dn[None, :], mask=q_ok[:, None] & (dn[None, :] < DN), other=0.0).to(DOT_T)
-    q_rope = tl.load(q_row + DN + dr[None, :], mask=q_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
+    if R > 0:  # R = 0: MLA without a rope part, no rope loads or dot at all
+        q_rope = tl.load(q_row + DN + dr[None, :], mask=q_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
     if ROPE_SCALED:  # fp8_e4m3: stored rope * kv_scale; the scale multiplies the float32 rope scores
         rope_scale = tl.load(kv_scale_ptr)
@@ -94,15 +95,17 @@ def _flare_prefill_kernel(
         k_nope = tl.load(k_ptr + buf_row[:, None] * stride_kt + h * stride_kh + dn[None, :],
                          mask=k_ok[:, None] & (dn[None, :] < DN), other=0.0).to(DOT_T)
         rows, k_ok = physical_row(table, key_pos, page_size, max_pages, num_pages, k_ok)
-        k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :],
-                         mask=k_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
         v = tl.load(v_ptr + buf_row[:, None] * stride_vt + h * stride_vh + dv[None, :],
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0).to(DOT_T)
 
-        s_rope = tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
-        if ROPE_SCALED:
-            s_rope = s_rope * rope_scale
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION) + s_rope
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
+        if R > 0:
+            k_rope = tl.load(rope_ptr + rows[:, None] * stride_rope + dr[None, :],
+                             mask=k_ok[:, None] & (dr[None, :] < R), other=0.0).to(DOT_T)
+            s_rope = tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+            if ROPE_SCALED:
+                s_rope = s_rope * rope_scale
+            s = s + s_rope
         visible = k_ok[None, :] & (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < hi[:, None])
         s = tl.where(visible, s * sm_scale_log2, float("-inf"))  # base-2 logits
 
