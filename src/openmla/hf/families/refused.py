@@ -16,13 +16,15 @@ class Refused:
     gap: str
 
 
-_MISTRAL_LARGE4 = Refused("mistral_large4", "layers without rope (R=0 keys: no kernel form), layers that reuse an earlier "
-                          "layer's latent instead of writing their own (no shared cache layer), a top-k indexer that "
-                          "reads hidden states and learned rope frequencies")
-_GLM5_NEXT = Refused("glm5_next", "MLA layers with R=0 (qk_rope_head_dim 0: openmla's kernels need a rope part) and a "
-                     "top-k indexer over pooled key groups (index_kpool keys pooled by a softmax gate, the picked pools "
-                     "expanded to their tokens plus the open tail pool), which openmla's indexer does not have; its "
-                     "linear-attention (KDA) layers would run per sequence (openmla.hf.hybrid)")
+# R = 0 (layers without rope) is no longer a gap: every backend runs MLA without a rope part; what
+# stops these two is the adapter side named in each gap.
+_MISTRAL_LARGE4 = Refused("mistral_large4", "layers that reuse an earlier layer's latent instead of writing their own (no "
+                          "shared cache layer), a top-k indexer that reads hidden states and learned rope frequencies; its "
+                          "layers without rope (R=0) would run on openmla's R = 0 kernels, but no adapter maps them yet")
+_GLM5_NEXT = Refused("glm5_next", "a top-k indexer over pooled key groups (index_kpool keys pooled by a softmax gate, the "
+                     "picked pools expanded to their tokens plus the open tail pool), which openmla's indexer does not "
+                     "have, and hyper-connection decoder layers no family adapter has run; its MLA layers (R=0) would run "
+                     "on openmla's R = 0 kernels and its linear-attention (KDA) layers per sequence (openmla.hf.hybrid)")
 
 REFUSED: dict[str, Refused] = {
     "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
