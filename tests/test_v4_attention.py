@@ -5,8 +5,9 @@ included, decode and prefill), pages handed out shuffled, pages wholly outside e
 freed (-1 in the table, NaN in the page), NaN in every unused page and row, windows smaller and
 larger than the context, the compressed stream by rule (HCA) and by per-query indices with -1
 slots and entries the rule hides (CSA), sinks, page sizes 1/16/64, several head counts. The
-same scenario list runs over the torch backend and the triton backend (CUDA, or Triton's
-interpreter on the CPU; every buffer it allocates starts as NaN).
+same scenario list runs over the torch backend, the native cpu backend (every output and
+scratch buffer starting as NaN; the plan must not fall back) and the triton backend (CUDA, or
+Triton's interpreter on the CPU; every buffer it allocates starts as NaN).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from openmla.backends import load_backend
 from openmla.v4 import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec, plan_shared_kv, shared_kv_attention
 
 from cases import assert_close, assert_lse
+from cpu_backends import use_backend
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small ops: one thread, no stall when another process takes a core
 tkv = importlib.import_module("openmla.backends.torch_cpu.shared_kv")
@@ -139,6 +141,58 @@ def test_torch_matches_oracle(B, H, D, page_size, window, mode, rate, decode):
     assert_lse(lse, want_lse, 1e-5, seed)
 
 
+CPU_CASES = CASES + [pytest.param(5, 64, 64, 64, 128, "indices", 4, id="H64"),
+                     pytest.param(3, 20, 24, 16, 9, "rule", 2, id="H20-D24")]  # head tiles of 16 + 4, an 8-column tail
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("B,H,D,page_size,window,mode,rate", CPU_CASES)
+def test_cpu_matches_oracle(monkeypatch, B, H, D, page_size, window, mode, rate, decode):
+    use_backend("cpu", monkeypatch)
+    seed = SEEDS.randrange(2**31)
+    case = make(seed, B=B, H=H, D=D, page_size=page_size, window=window, mode=mode, rate=rate, decode=decode,
+                sinks=seed % 3 != 0)
+    want, want_lse = ref.shared_kv_attention(*case)
+    plan = plan_shared_kv(*case, backend="cpu")
+    assert plan.backend_name == "cpu" and plan.fallback_reason is None
+    got, lse = plan.run(case[0])
+    assert got.dtype == case[0].dtype and lse.dtype == torch.float32
+    assert_close(got, want, 1e-5, "out", seed)
+    assert_lse(lse, want_lse, 1e-5, seed)
+
+
+@pytest.mark.parametrize("mode", ["none", "rule", "indices"])
+def test_cpu_v4_shape_threads_and_half(monkeypatch, mode):
+    """V4's shape (D = 512, 64 heads, a 128-token window; CSA's top-k by int64 indices) on two
+    threads (heads cut into blocks across them), and bf16 / fp16 entries (float32 products)."""
+    use_backend("cpu", monkeypatch)
+    seed = SEEDS.randrange(2**31)
+    case = make(seed, B=2, H=64, D=512, page_size=64, window=128, mode=mode, rate=4, K=24, decode=True)  # one query row: 2 head blocks
+    q, offsets, raw, spec, comp = case
+    if mode == "indices":
+        spec = SharedKVSpec(spec.scale, spec.window, spec.entry, CompressedKeys(4, spec.compressed.indices.long()), spec.attn_sink)
+    want, want_lse = ref.shared_kv_attention(q, offsets, raw, spec, comp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plan = plan_shared_kv(q, offsets, raw, spec, comp, backend="cpu")
+        assert plan.backend_name == "cpu"
+        got, lse = plan.run(q)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(got, want, 1e-5, "out (2 threads)", seed)
+    assert_lse(lse, want_lse, 1e-5, seed)
+    for dtype in (torch.bfloat16, torch.float16):
+        qh, offsets, raw, spec, comp = make(seed, B=4, H=6, D=64, page_size=16, window=10, mode=mode, rate=4, dtype=dtype)
+        want, want_lse = ref.shared_kv_attention(qh, offsets, raw, spec, comp)
+        plan = plan_shared_kv(qh, offsets, raw, spec, comp, backend="cpu")
+        assert plan.backend_name == "cpu" and plan.fallback_reason is None
+        got, lse = plan.run(qh)
+        assert got.dtype == dtype
+        assert_close(got, want, 2e-2, f"out {dtype}", seed)
+        assert_lse(lse, want_lse, 1e-4, seed)  # float32 products of the stored values: only q's rounding to its dtype differs
+
+
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("B,H,D,page_size,window,mode,rate", CASES + [pytest.param(5, 64, 64, 64, 128, "indices", 4, id="H64")])
 def test_triton_matches_oracle(triton_poisoned, B, H, D, page_size, window, mode, rate, decode):
@@ -241,8 +295,10 @@ def test_fallback_and_refusal():
     except ValueError:
         pass
     else:
-        plan = plan_shared_kv(q, offsets, raw, spec, comp, backend="cpu")
-        assert plan.backend_name == "torch" and "shared-KV" in plan.fallback_reason
+        assert plan_shared_kv(q, offsets, raw, spec, comp, backend="cpu").backend_name == "cpu"
+        case64 = make(seed, B=2, H=2, D=16, page_size=16, window=4, mode="rule", dtype=torch.float64)
+        plan = plan_shared_kv(*case64, backend="cpu")  # float64 entries: the native kernel declines
+        assert plan.backend_name == "torch" and "shared-KV" in plan.fallback_reason and "float64" in plan.fallback_reason
     assert plan_shared_kv(q, offsets, raw, spec, comp, backend="reference").backend_name == "reference"
     try:
         load_backend("triton")

@@ -12,6 +12,8 @@ pages, page table, host lengths, the prefill chunk plan) and calls ``kernels``.
 | | and native flash attention (sparse prefill reaches ``decode`` through the plan) |
 | ``flare_mla_prefill`` | a native gather of the rope rows and native flash attention |
 | ``absorb`` / ``unabsorb`` | one native call each (per-head brgemm; the weight packed once and cached) |
+| ``shared_kv_attention`` | DeepSeek-V4: one native call over window + compressed entries (``csrc/shared_kv.h``; |
+| | float32 products, float32 / bf16 / fp16 entries; others declined to torch) |
 
 What it runs is decided once per step (``supports``): a CPU cache whose entries the kernels
 read (bfloat16, float16, float32, ``fp8_e4m3``, ``fp8_ds_mla``, ``nvfp4_ds_mla`` or
@@ -112,6 +114,28 @@ class CpuBackend(Backend):
         if out_lat.shape[2] != L or not _heads_native(out_lat, w_uv, L):
             return super().unabsorb(out_lat, w_uv)
         return kernels.heads_gemm(out_lat, packed.packed(w_uv), Dv, L)
+
+    def supports_shared_kv(self, plan):
+        """The native V4 kernel runs CPU stores of float32, bf16 or fp16 entries with unit-stride
+        rows; anything else (float64, another device) goes to the fallback."""
+        stores = [("raw", plan.raw)] + ([("compressed", plan.compressed)] if plan.compressed is not None else [])
+        for name, store in stores:
+            blocks = store.blocks
+            if blocks.device.type != "cpu":
+                return f"its shared-KV kernel runs on the CPU, the {name} entries are on {blocks.device}"
+            if blocks.dtype not in kernels.SHARED_KV_DTYPES:
+                return f"its shared-KV kernel reads float32, bfloat16 or float16 entries, not {blocks.dtype}"
+            if blocks.stride(-1) != 1:
+                return f"its shared-KV kernel reads {name} entry rows that are contiguous"
+        return True
+
+    def shared_kv_attention(self, plan, q):
+        """DeepSeek-V4 attention (``openmla.v4.SharedKVPlan``): ``q [T, H, D]`` -> float32 ``out``, ``lse``."""
+        spec, ck, comp = plan.spec, plan.spec.compressed, plan.compressed
+        return kernels.shared_kv(q, plan.raw.blocks, plan.raw.block_table, plan.token_seq, plan.token_pos, window=spec.window,
+                                 scale=spec.scale, comp_blocks=None if ck is None else comp.blocks,
+                                 comp_table=None if ck is None else comp.block_table, rate=0 if ck is None else ck.rate,
+                                 indices=None if ck is None else ck.indices, attn_sink=spec.attn_sink)
 
     def decode(self, plan, layer_idx, q_abs, spec, kv_lora_rank):
         """Absorbed attention: ``q_abs [T, H, L+R]`` -> ``out_lat [T, H, L]``, ``lse [T, H]``."""

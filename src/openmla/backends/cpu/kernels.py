@@ -20,7 +20,7 @@ from ...masks import MaskKind, MaskVariant
 from . import build
 
 __all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
-           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "own_amx_runs"]
+           "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "own_amx_runs", "shared_kv"]
 
 MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
               MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
@@ -258,4 +258,32 @@ def prefill(
         v = torch.mm(latent, w_v.t(), out=workspace.scratch("cpu.v", (S, w_v.shape[0]), dtype))
         out, lse = prefill_chunk(q, k, v, entries[:, L:], offsets=offs_t, cache_lengths=lens_t, spans=table, scale=scale,
                                  mask=mask, attn_sink=attn_sink, state=state, first=i == 0, last=i == max(len(work), 1) - 1)
+    return out, lse
+
+
+SHARED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # entry dtypes shared_kv reads (products in float32)
+
+
+@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+def shared_kv(q: torch.Tensor, raw_blocks: torch.Tensor, raw_table: torch.Tensor, token_seq: torch.Tensor,
+              token_pos: torch.Tensor, *, window: int, scale: float, comp_blocks: torch.Tensor | None = None,
+              comp_table: torch.Tensor | None = None, rate: int = 0, indices: torch.Tensor | None = None,
+              attn_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 shared-KV attention (``csrc/shared_kv.h``): ``q [T, H, D]``, entries
+    ``[num_pages, page_size, D]`` (one of ``SHARED_KV_DTYPES``, rows with unit stride; the
+    compressed store in the raw one's dtype), page tables ``[B, max_pages]``, each query row's
+    sequence and position (int ``[T]``), ``rate`` 0 for no compressed stream, ``indices``
+    int ``[T, K]`` (-1 unused) or None for every entry the rule allows. Returns float32
+    ``out [T, H, D]`` and ``lse [T, H]`` (sink excluded; zeros and -inf for a row without a key)."""
+    T, H, D = q.shape
+    out, lse = _alloc((T, H, D), torch.float32), _alloc((T, H), torch.float32)
+    if T == 0:
+        return out, lse
+    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
+    comp = rate > 0
+    build.ops().shared_kv(
+        q.to(torch.float32).contiguous(), raw_blocks, _int32(raw_table), token_seq.to(torch.int64).contiguous(),
+        token_pos.to(torch.int64).contiguous(), int(window), float(scale), comp_blocks if comp else None,
+        _int32(comp_table) if comp else None, int(rate), _int32(indices) if comp and indices is not None else None, sink, out, lse,
+    )
     return out, lse

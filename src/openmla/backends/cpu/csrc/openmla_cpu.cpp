@@ -11,6 +11,7 @@
 #include "decode.h"
 #include "heads_gemm.h"
 #include "prefill.h"
+#include "shared_kv.h"
 
 namespace openmla {
 namespace {
@@ -278,6 +279,76 @@ void heads_gemm_op(const at::Tensor& x, const at::Tensor& packed, int64_t m, int
   else run_heads_gemm<float>(a);
 }
 
+EntryStore entry_store(const at::Tensor& blocks, const at::Tensor& block_table, at::ScalarType dtype, int64_t D, const char* name) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 3 && blocks.size(2) == D && blocks.stride(2) == 1 &&
+                  blocks.scalar_type() == dtype,
+              "openmla cpu: ", name, " blocks must be CPU [P, S, D] ", dtype, " with unit last stride");
+  check_cpu_contiguous(block_table, name);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "openmla cpu: ", name, " block_table must be int32 [B, P]");
+  EntryStore s;
+  const int64_t elem = blocks.element_size();
+  s.base = static_cast<const uint8_t*>(blocks.data_ptr());
+  s.page_stride = blocks.stride(0) * elem;
+  s.row_stride = blocks.stride(1) * elem;
+  s.page_size = blocks.size(1);
+  s.table = block_table.data_ptr<int32_t>();
+  s.table_stride = block_table.size(1);
+  return s;
+}
+
+// DeepSeek-V4 shared-KV attention (shared_kv.h): q [T, H, D] float32; raw (and compressed)
+// entries bf16 / fp16 / float32 [P, S, D]; seq, pos int64 [T]; indices int32 [T, K] or none
+// (compressed entries by rule; rate 0: no compressed stream); out [T, H, D], lse [T, H] float32.
+void shared_kv_op(const at::Tensor& q, const at::Tensor& raw_blocks, const at::Tensor& raw_table, const at::Tensor& seq,
+                  const at::Tensor& pos, int64_t window, double scale, const std::optional<at::Tensor>& comp_blocks,
+                  const std::optional<at::Tensor>& comp_table, int64_t rate, const std::optional<at::Tensor>& indices,
+                  const std::optional<at::Tensor>& attn_sink, const at::Tensor& out, const at::Tensor& lse) {
+  check_cpu_contiguous(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "openmla cpu: q must be float32 [T, H, D]");
+  SharedKVArgs a;
+  a.q = q.data_ptr<float>();
+  a.T = q.size(0);
+  a.H = q.size(1);
+  a.D = q.size(2);
+  const at::ScalarType dtype = raw_blocks.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "openmla cpu: entries must be bf16/fp16/fp32");
+  a.raw = entry_store(raw_blocks, raw_table, dtype, a.D, "raw");
+  for (const auto* t : {&seq, &pos}) {
+    check_cpu_contiguous(*t, "seq/pos");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == a.T, "openmla cpu: seq/pos must be int64 [T]");
+  }
+  a.seq = seq.data_ptr<int64_t>();
+  a.pos = pos.data_ptr<int64_t>();
+  TORCH_CHECK(window >= 1, "openmla cpu: window must be >= 1");
+  a.window = window;
+  a.scale = static_cast<float>(scale);
+  a.compressed = rate > 0;
+  if (a.compressed) {
+    TORCH_CHECK(comp_blocks.has_value() && comp_table.has_value(), "openmla cpu: rate > 0 needs the compressed store");
+    a.comp = entry_store(*comp_blocks, *comp_table, dtype, a.D, "compressed");
+    a.rate = rate;
+    if (indices.has_value() && indices->defined()) {
+      check_cpu_contiguous(*indices, "indices");
+      TORCH_CHECK(indices->scalar_type() == at::kInt && indices->dim() == 2 && indices->size(0) == a.T,
+                  "openmla cpu: indices must be int32 [T, K]");
+      a.indices = indices->data_ptr<int32_t>();
+      a.topk = indices->size(1);
+    }
+  }
+  if (attn_sink.has_value() && attn_sink->defined()) {
+    check_cpu_contiguous(*attn_sink, "attn_sink");
+    TORCH_CHECK(attn_sink->scalar_type() == at::kFloat && attn_sink->numel() == a.H, "openmla cpu: attn_sink must be float32 [H]");
+    a.sink = attn_sink->data_ptr<float>();
+  }
+  check_out(out, {a.T, a.H, a.D}, at::kFloat, "out");
+  check_out(lse, {a.T, a.H}, at::kFloat, "lse");
+  a.out = out.data_ptr<float>();
+  a.lse = lse.data_ptr<float>();
+  if (dtype == at::kBFloat16) run_shared_kv<BFloat16>(a);
+  else if (dtype == at::kHalf) run_shared_kv<Half>(a);
+  else run_shared_kv<float>(a);
+}
+
 #if defined(OPENMLA_TEST_HOOKS)
 // Test builds only (OPENMLA_CPU_TEST_HOOKS=1, see build.py) ---------------------------------
 // Fill every thread's scratch memory with NaN bytes, so a kernel that reads scratch it did not
@@ -351,6 +422,11 @@ TORCH_LIBRARY(openmla_cpu, m) {
       "Tensor(b!)? state_ref, Tensor(c!)? state_sum, bool first, bool last, Tensor? attn_sink, Tensor(d!) out, "
       "Tensor(e!) lse) -> ()",
       &openmla::prefill_chunk_op);
+  m.def(
+      "shared_kv(Tensor q, Tensor raw_blocks, Tensor raw_table, Tensor seq, Tensor pos, int window, float scale, "
+      "Tensor? comp_blocks, Tensor? comp_table, int rate, Tensor? indices, Tensor? attn_sink, Tensor(a!) out, "
+      "Tensor(b!) lse) -> ()",
+      &openmla::shared_kv_op);
   m.def("pack_heads(Tensor w, Tensor(a!) packed) -> ()", &openmla::pack_heads_op);
   m.def("heads_gemm(Tensor x, Tensor packed, int m, int k, Tensor(a!) out) -> ()", &openmla::heads_gemm_op);
   m.def("bf16_gemm_supported() -> bool", &openmla::bf16_gemm_supported);
