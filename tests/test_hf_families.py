@@ -25,8 +25,10 @@ from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_gre
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# DeepSeek-V2, V3 and V3.2 have their own, wider tests (test_hf_generate.py); Hunyuan V4 VL and dots3 theirs (test_hf_hy_v4_vl.py, test_hf_dots3.py)
-CASES = [name for name in PRESETS if name not in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "hy_v4_vl", "dots3_note")]
+# DeepSeek-V2, V3 and V3.2 have their own, wider tests (test_hf_generate.py); Hunyuan V4 VL, dots3 and GLM-5-Next theirs
+# (test_hf_hy_v4_vl.py, test_hf_dots3.py, test_hf_glm5_next.py)
+CASES = [name for name in PRESETS
+         if name not in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "hy_v4_vl", "dots3_note", "glm5_next")]
 
 
 def build(case: str):

@@ -30,6 +30,7 @@ from .implementation import ATTN_IMPLEMENTATION, register
 from .checks import check_attention, layer_config
 from .families import Family, family_of
 from .hybrid import HybridLayers, check_linear, is_linear
+from .indexer import pooled_width
 from .rope import RopeTable, rope_limit
 from .stats import AttentionClock
 from .text_only import TextOnlyGuard, media_token_ids
@@ -282,7 +283,13 @@ def attach(
         index_topk = int(first.index_topk)
         if any(int(m.indexer.index_topk) != index_topk or m.indexer.head_dim != first.head_dim for m in indexers):
             raise ValueError(f"model: {type(model).__name__}: its indexers differ in index_topk or index_head_dim")
-        index_keys = torch.zeros(len(indexers), num_pages * page_size, first.head_dim, dtype=first.wk.weight.dtype,
+        width = first.head_dim
+        if family.indexer.pooled:  # GLM-5-Next: each row holds the key and its pool gate scores; picks add the open tail pool
+            if any(m.indexer.index_kpool != first.index_kpool or m.indexer.index_kpool_always_select_tail
+                   != first.index_kpool_always_select_tail for m in indexers):
+                raise ValueError(f"model: {type(model).__name__}: its indexers differ in index_kpool")
+            width, index_topk = 2 * first.head_dim, pooled_width(first)
+        index_keys = torch.zeros(len(indexers), num_pages * page_size, width, dtype=first.wk.weight.dtype,
                                  device=weight.device)
         for j, module in enumerate(indexers):
             module.index_keys = index_keys[j]

@@ -26,7 +26,7 @@ from ..layer import LatentAttention
 from ..planning import MLAPlan
 from .families import Family
 from .implementation import packed_step
-from .indexer import IndexStep, select_keys
+from .indexer import IndexStep, select_keys, select_pooled
 from .rope import RopeTable
 from .stats import AttentionClock
 
@@ -163,6 +163,8 @@ class AttachedAttention(LatentAttention):
         if not isinstance(index_step, IndexStep) or self.index_keys is None:
             raise ValueError(f"{INDEX_KWARG}: this layer has a top-k indexer; run the model through openmla.hf.generate "
                              "(or openmla.hf.forward_step) of an attached model")
+        if self.family.indexer.pooled:  # GLM-5-Next: pooled key groups, no rope
+            return select_pooled(self.indexer, self.index_keys, index_step, hidden, q_resid)
         tables = kwargs.get("position_embeddings")  # transformers' rotary tables at the step's positions, [1, T, rope]
         if not (isinstance(tables, tuple) and len(tables) == 2):
             raise ValueError("position_embeddings: a layer with a top-k indexer needs the model's (cos, sin) tables")

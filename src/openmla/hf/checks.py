@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import MLAConfig
 from .families import Family
-from .indexer import check_indexer
+from .indexer import check_indexer, check_pooled
 
 _DIMS = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size")
 
@@ -26,10 +26,11 @@ def layer_config(family: Family, hf_config: Any, module: nn.Module, where: str) 
     missing = [d for d in _DIMS + ("q_lora_rank", "scaling") if not hasattr(module, d)]
     if missing:
         raise ValueError(f"{where} ({type(module).__name__}) has no {missing}")
-    bad = [d for d in _DIMS if not isinstance(getattr(module, d), int) or getattr(module, d) < 1]
-    if bad:  # R=0 (no rope) among them
+    bad = [d for d in _DIMS if not isinstance(getattr(module, d), int) or getattr(module, d) < (d != "qk_rope_head_dim")
+           or (d == "qk_rope_head_dim" and getattr(module, d) % 2)]
+    if bad:  # R = 0 (no rope part) is a shape openmla's kernels run; a negative or odd one is not
         raise ValueError(f"{where} has {', '.join(f'{d}={getattr(module, d)!r}' for d in bad)}: openmla's kernels need "
-                         "positive MLA dims (a rope part R > 0)")
+                         "positive MLA dims and an even rope width R >= 0")
     scale = module.scaling
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"{where}.scaling is {scale!r}, not a positive float")
@@ -113,5 +114,7 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
     indexer = getattr(module, "indexer", None)
     if family.indexer is not None and indexer is not None:
         check_indexer(indexer, f"{where}.indexer")
+        if family.indexer.pooled:
+            check_pooled(indexer, f"{where}.indexer")
     elif indexer is not None:
         raise ValueError(f"{where} has a top-k indexer; {family.name} attaches without one")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..planning import MLAPlan
@@ -28,6 +29,30 @@ from .families.family import IndexerSpec
 
 INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
 _SCORE_BUDGET = 1 << 22  # float32 scores held at once per chunk of query rows (16 MiB): no [T, T] tensor
+
+
+POOL_PARTS = ("index_kpool", "index_kpool_always_select_tail", "index_kpool_compress_ape", "index_kpool_compress_gate")
+
+
+def check_pooled(module: nn.Module, where: str) -> None:
+    """``ValueError`` unless ``module`` is a k-pool indexer (GLM-5-Next's) of the form ``select_pooled`` runs."""
+    missing = [n for n in POOL_PARTS if not hasattr(module, n)]
+    if missing:
+        raise ValueError(f"{where} ({type(module).__name__}) is not a k-pool indexer: no {missing}")
+    P, D = module.index_kpool, module.head_dim
+    if isinstance(P, bool) or not isinstance(P, int) or P < 1 or int(module.index_topk) % P:
+        raise ValueError(f"{where}.index_kpool is {P!r} for index_topk {module.index_topk} (a divisor >= 1 needed)")
+    if not isinstance(module.index_kpool_always_select_tail, bool):
+        raise ValueError(f"{where}.index_kpool_always_select_tail is {module.index_kpool_always_select_tail!r}, not a bool")
+    if module.qk_rope_head_dim != 0:
+        raise ValueError(f"{where} ropes {module.qk_rope_head_dim} values; the k-pool indexer reproduced has no rope")
+    if tuple(module.index_kpool_compress_ape.shape) != (P, D) or tuple(module.index_kpool_compress_gate.shape) != (D, module.hidden_size):
+        raise ValueError(f"{where}: its pool gate parameters are not [index_kpool, head_dim] and [head_dim, hidden]")
+
+
+def pooled_width(module: nn.Module) -> int:
+    """Slots per token of a k-pool indexer's picks: ``index_topk`` (whole pools) plus the open tail pool's at most P-1."""
+    return int(module.index_topk) + (module.index_kpool - 1 if module.index_kpool_always_select_tail else 0)
 
 
 def check_indexer(module: nn.Module, where: str) -> None:
@@ -129,4 +154,58 @@ def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden:
             kk = min(step.stride, seen)
             best, picked = total.topk(kk, dim=-1, sorted=False)  # a set: its order does not matter
             out[a:b, :kk] = picked.to(torch.int32).masked_fill_(best == float("-inf"), -1)
+    return out
+
+
+@torch.no_grad()
+def select_pooled(indexer: nn.Module, store: torch.Tensor, step: IndexStep, hidden: torch.Tensor,
+                  q_resid: torch.Tensor) -> torch.Tensor:
+    """GLM-5-Next's k-pool selection (transformers' ``Glm5NextTextIndexer``) over one layer's store.
+
+    Writes this step's rows ``[key, gate scores]`` into ``store [rows, 2 * head_dim]`` and returns int32
+    ``[T, step.stride]`` logical positions (-1: unused). Per sequence with n keys: pool j is positions
+    ``[jP, (j+1)P)`` for every complete group (``j < n // P``); its candidate key is
+    ``sum_i softmax_i(gate_i + ape_i) * key_i`` (softmax over the pool's P tokens, per channel);
+    a query at position p scores the pools that end at or before p as ``sum_h w_h relu(scale q_h . pool)``,
+    takes the best ``index_topk // P`` of them (all when fewer), expands them to their positions, and
+    adds its open tail ``[p + 1 - (p + 1) % P, p]`` when ``index_kpool_always_select_tail``."""
+    T = hidden.shape[0]
+    H, D, P = indexer.n_heads, indexer.head_dim, indexer.index_kpool
+    q = indexer.wq_b(q_resid).view(T, H, D)
+    k = indexer.k_norm(indexer.wk(hidden))
+    gate = F.linear(hidden, indexer.index_kpool_compress_gate)
+    store[step.write_rows] = torch.cat([k, gate], dim=-1).to(store.dtype)
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * H**-0.5  # [T, H]
+    ape = indexer.index_kpool_compress_ape.float()
+    pick = int(indexer.index_topk) // P
+    tail = indexer.index_kpool_always_select_tail
+    out = torch.full((T, step.stride), -1, dtype=torch.int32, device=hidden.device)
+    offsets = torch.arange(P, device=hidden.device)
+    for t0, t1, k0, k1, p0 in step.spans:
+        n = k1 - k0
+        q_pos = p0 + torch.arange(t1 - t0, device=hidden.device)
+        parts = []
+        pools = n // P
+        kk = min(pick, pools)
+        if kk:
+            rows = store[step.key_rows[k0:k0 + pools * P]].view(pools, P, 2 * D)
+            keys, gates = rows[..., :D], rows[..., D:]
+            probs = (gates.float() + ape).softmax(dim=1).to(keys.dtype)
+            pooled = (probs * keys).sum(dim=1)  # [pools, D], as transformers pools (in the keys' dtype)
+            scores = torch.matmul(q[t0:t1].float(), pooled.T.float()).mul_(indexer.softmax_scale).relu_()  # [c, H, pools]
+            total = torch.matmul(weights[t0:t1, None, :], scores)[:, 0]  # [c, pools]
+            ends = (torch.arange(pools, device=hidden.device) + 1) * P - 1
+            total.masked_fill_(ends[None, :] > q_pos[:, None], float("-inf"))  # a pool is seen once its last token is
+            best, chosen = total.topk(kk, dim=-1, sorted=False)  # a set: its order does not matter
+            positions = chosen[..., None] * P + offsets  # [c, kk, P]
+            parts.append(positions.masked_fill_((best == float("-inf"))[..., None], -1).flatten(1))
+        if tail and P > 1:
+            count = (q_pos + 1) % P
+            start = q_pos + 1 - count
+            spots = start[:, None] + offsets[None, : P - 1]
+            parts.append(spots.masked_fill_(offsets[None, : P - 1] >= count[:, None], -1))
+        if parts:
+            picks = torch.cat(parts, dim=1)
+            picks = picks.sort(dim=1, descending=True).values[:, : step.stride]  # the used slots first (at most stride)
+            out[t0:t1, : picks.shape[1]] = picks.to(torch.int32)
     return out

@@ -60,6 +60,12 @@ PRESETS: dict[str, Preset] = {
     "kimi_linear": Preset("KimiLinearForCausalLM", "KimiLinearConfig",
                           dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                                linear_num_heads=2, num_local_experts=4, first_k_dense_replace=1)),
+    # text only (a tiny vision tower, never run); KDA, MLA with its own pooled indexer, MLA reusing its picks; pools of 4
+    # tokens, so the test's 8 picked keys are 2 pools (+ the open tail) and long prompts leave most pools out
+    "glm5_next": Preset("Glm5NextForConditionalGeneration", "Glm5NextConfig",
+                        dict(num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+                             indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"],
+                             index_kpool=4, hc_mult=2, linear_num_heads=2, linear_head_dim=32), topk=True),
 }
 
 _SIZES = {
@@ -103,6 +109,11 @@ def family_config(name: str, size: str = "test", **overrides: Any) -> Any:
         vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=4,
                       max_image_size=64, out_hidden_size=kwargs["hidden_size"])
         return transformers.HYV4VLConfig(text_config=kwargs, vision_config=vision, **media, **_IDS)
+    if name == "glm5_next":
+        media = {k: kwargs.pop(k) for k in ("image_token_id", "video_token_id") if k in kwargs}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, image_size=16,
+                      out_hidden_size=kwargs["hidden_size"], projection_intermediate_size=64)
+        return transformers.Glm5NextConfig(text_config=kwargs, vision_config=vision, **media, **_IDS)
     return getattr(transformers, p.config_class)(**kwargs)
 
 

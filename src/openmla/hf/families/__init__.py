@@ -14,6 +14,7 @@ from .dots3 import DOTS3_NOTE, DOTS3_NOTE_MM
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25
 from .family import Family, IndexerSpec, TextOnly
 from .glm import GLM4_MOE_LITE, GLM_MOE_DSA
+from .glm5_next import GLM5_NEXT
 from .hunyuan import HY_V4, HY_V4_VL
 from .kimi import KIMI_LINEAR
 from .longcat import LONGCAT_FLASH
@@ -24,7 +25,7 @@ from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
-    HY_V4, HY_V4_VL, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR, DOTS3_NOTE, DOTS3_NOTE_MM,
+    HY_V4, HY_V4_VL, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR, DOTS3_NOTE, DOTS3_NOTE_MM, GLM5_NEXT,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 

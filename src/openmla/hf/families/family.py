@@ -25,12 +25,18 @@ class IndexerSpec:
 
     - ``rope_layout``: ``"half"`` (``rotate_half`` pairs) or ``"interleave"`` (even/odd pairs);
     - ``rope_at``: ``"head"`` (the first R values of each index head carry the rope) or ``"tail"``;
-    - ``scale_in_weights``: ``softmax_scale`` multiplies the head weights (after the relu), not the scores.
+    - ``scale_in_weights``: ``softmax_scale`` multiplies the head weights (after the relu), not the scores;
+    - ``pooled``: GLM-5-Next's k-pool form (``index_kpool`` P, no rope): the keys of every complete group
+      of P positions are pooled by a softmax over ``gate + ape`` into one candidate, the top
+      ``index_topk // P`` visible pools win and expand to their P positions, plus (with
+      ``index_kpool_always_select_tail``) the query's open tail pool; the key store's rows hold each
+      token's key and its gate scores.
     """
 
     rope_layout: str = "half"
     rope_at: str = "head"
     scale_in_weights: bool = False
+    pooled: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,12 @@ class Refused:
     gap: str
 
 
-# R = 0 (layers without rope) is no longer a gap: every backend runs MLA without a rope part; what
-# stops these two is the adapter side named in each gap.
+# R = 0 (layers without rope) is no longer a gap: every backend runs MLA without a rope part (GLM-5-Next,
+# ``glm5_next``, runs on it); what stops Mistral Large 4 is the adapter side named in its gap.
 _MISTRAL_LARGE4 = Refused("mistral_large4", "layers that reuse an earlier layer's latent instead of writing their own (no "
                           "shared cache layer), a top-k indexer that reads hidden states and learned rope frequencies; its "
                           "layers without rope (R=0) would run on openmla's R = 0 kernels, but no adapter maps them yet")
-_GLM5_NEXT = Refused("glm5_next", "a top-k indexer over pooled key groups (index_kpool keys pooled by a softmax gate, the "
-                     "picked pools expanded to their tokens plus the open tail pool), which openmla's indexer does not "
-                     "have, and hyper-connection decoder layers no family adapter has run; its MLA layers (R=0) would run "
-                     "on openmla's R = 0 kernels and its linear-attention (KDA) layers per sequence (openmla.hf.hybrid)")
 
 REFUSED: dict[str, Refused] = {
     "MistralLarge4ForConditionalGeneration": _MISTRAL_LARGE4,
-    "Glm5NextForConditionalGeneration": _GLM5_NEXT,
 }
