@@ -193,6 +193,24 @@ def test_cpu_v4_shape_threads_and_half(monkeypatch, mode):
         assert_lse(lse, want_lse, 1e-4, seed)  # float32 products of the stored values: only q's rounding to its dtype differs
 
 
+def test_cpu_nan_entry_is_not_hidden(monkeypatch):
+    """A NaN in an entry a query sees makes that query's output and LSE NaN (as the oracle's and
+    the torch kernel's), never zeros; the other queries keep their values."""
+    use_backend("cpu", monkeypatch)
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=3, H=4, D=32, page_size=16, window=5, mode="rule", decode=True)
+    b = 2  # decode: every sequence but the first has one query, which reads its own new entry
+    last = int(raw.lengths[b]) - 1
+    raw.blocks[int(raw.block_table[b, last // 16]), last % 16, 3] = math.nan
+    got, lse = shared_kv_attention(q, offsets, raw, spec, comp, backend="cpu")
+    want, want_lse = ref.shared_kv_attention(q, offsets, raw, spec, comp)
+    row = int(offsets[b + 1]) - 1
+    assert torch.isnan(got[row]).all() and torch.isnan(lse[row]).all() and torch.isnan(want[row]).all(), f"seed {seed}"
+    keep = torch.ones(q.shape[0], dtype=torch.bool)
+    keep[row] = False
+    assert_close(got[keep], want[keep], 1e-5, "out (other rows)", seed)
+
+
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("B,H,D,page_size,window,mode,rate", CASES + [pytest.param(5, 64, 64, 64, 128, "indices", 4, id="H64")])
 def test_triton_matches_oracle(triton_poisoned, B, H, D, page_size, window, mode, rate, decode):

@@ -239,13 +239,11 @@ void shared_kv_unit(const SharedKVArgs& a, int64_t t, int64_t h0, int64_t M) {
   const int64_t D = a.D, ldq = round_up(M, 8), n_pad = round_up(SKV_BLOCK, 32);
   float* QT = scratch<float>(S_QT, D * ldq);
   const float* q = a.q + (t * a.H + h0) * D;
-  for (int64_t d = 0; d < D; ++d) {
-    float* dst = QT + d * ldq;
-    for (int64_t m = 0; m < M; ++m) dst[m] = q[m * D + d];
-    for (int64_t m = M; m < ldq; ++m) dst[m] = 0.f;
-  }
+  pack_b_transposed<float>(q, D, M, D, QT, ldq, 0);
+  zero_b_columns<float>(QT, D, ldq, M, ldq);
+  // O needs no zeroing: softmax_keys_major zeroes a row's accumulator when its first visible
+  // block moves the reference from -inf, and finish_row reads no O of a row without a sum.
   float* O = scratch<float>(S_ACC, M * D);
-  zero_fill(O, M * D * sizeof(float));
   float* ref = scratch<float>(S_ROWS, 2 * M);
   float* sum = ref + M;
   std::fill(ref, ref + M, NEG_INF);
@@ -277,6 +275,13 @@ void shared_kv_unit(const SharedKVArgs& a, int64_t t, int64_t h0, int64_t M) {
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = t * a.H + h0 + m;
+    // A NaN or infinite entry among the row's keys (the sum is then NaN or inf: exp_u20 maps NaN to inf):
+    // NaN out and LSE, as the oracle's (finish_row would write zeros or a finite row).
+    if (!std::isfinite(sum[m])) {
+      std::fill(a.out + r * D, a.out + (r + 1) * D, std::numeric_limits<float>::quiet_NaN());
+      a.lse[r] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     const float sink = a.sink ? a.sink[h0 + m] : std::numeric_limits<float>::quiet_NaN();
     finish_row(O + m * D, D, ref[m], sum[m], sink, a.out + r * D, a.lse + r);
   }
