@@ -188,7 +188,8 @@ class Family:
         if self.sinks:
             out.append("per-head sinks")
         if self.indexer is not None:
-            out.append("top-k indexer" + (", shared top-k layers" if self.shared_topk else ""))
+            out.append("top-k indexer" + (" over pooled key groups" if self.indexer.pooled else "")
+                       + (", shared top-k layers" if self.shared_topk else ""))
         if self.sublayers > 1:
             out.append(f"{self.sublayers} MLA blocks per decoder layer")
         if self.lora_scales == "query":
