@@ -418,7 +418,8 @@ CACHE_AND_LAYER = [
         lambda c, d: (lambda backend, a=d([
             dict(num_layers=0), dict(num_pages=-1), dict(page_size=2.0), dict(head_dim=True), dict(dtype=torch.int32),
             dict(dtype="bf16"), dict(dtype=torch.float8_e5m2), dict(device="nowhere"), dict(device="meta"), dict(rope_dim=3),
-            dict(rope_dim=0), dict(kv_scale=0.0), dict(kv_scale=NAN), dict(kv_scale="1"), dict(kv_scale=1e-60),
+            dict(rope_dim=-2), dict(dtype="fp8_ds_mla", head_dim=128, rope_dim=0), dict(kv_scale=0.0), dict(kv_scale=NAN),
+            dict(kv_scale="1"), dict(kv_scale=1e-60),
             dict(dtype="fp8_ds_mla", head_dim=100), dict(num_pages=2**30, page_size=64)]): PagedLatentCache(
             **{**dict(num_layers=1, num_pages=2, page_size=4, head_dim=40, dtype=torch.float32, rope_dim=8), **a}))),
     Bad("layer rows", ("hidden_states",), layer_call("rows")),

@@ -155,7 +155,7 @@ def test_no_rope_equals_a_zero_rope_part(decode_form):
     the oracle's R = 0 path is the math without a rope term, not a special case of its own."""
     cfg0, cfg2 = small_config(num_heads=3, R=0), small_config(num_heads=3, R=2)
     no_rope = make_case([5, 0, 9], [3, 1, 6], dtype=F64, config=cfg0, page_size=4)
-    L, Dn = cfg0.kv_lora_rank, cfg0.qk_nope_head_dim
+    L = cfg0.kv_lora_rank
     zero = make_case([5, 0, 9], [3, 1, 6], dtype=F64, config=cfg2, page_size=4, seed=no_rope.seed)
     zero.batch.blocks.view(-1, L + 2)[:, :L] = no_rope.batch.blocks.view(-1, L)  # the same cached latents, rope part 0
     zero.batch.blocks.view(-1, L + 2)[:, L:] = 0
