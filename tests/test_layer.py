@@ -3,6 +3,8 @@ folders, block FP8), the kv_b split, and forward against a naive float64 MLA wri
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 
@@ -428,6 +430,16 @@ def test_forward_matches_naive_mla(backend, q_lora, yarn):
     # prefill (ragged, one empty), multi-token decode, a prefill chunk on top of a cache, single decode
     err = _run_steps(layer, weights, [[9, 0, 12], [1, 3, 2], [8, 1, 0], [1, 1, 1]])
     assert err <= 1e-5
+
+
+def test_forward_without_rope_matches_naive_mla(backend):
+    """R = 0 (GLM-5-Next's MLA): the key is the latent alone, nothing rotates; both forms."""
+    cfg = dataclasses.replace(tiny_config(yarn=False), qk_rope_head_dim=0)
+    weights = random_hf_weights(cfg, seed=10)
+    layer = LatentAttention(cfg, 1, dtype=torch.float32, backend=backend)
+    layer.load_hf_state_dict(weights)
+    assert layer.kv_a_proj_with_mqa.weight.shape[0] == cfg.kv_lora_rank
+    assert _run_steps(layer, weights, [[9, 0, 12], [1, 3, 2], [1, 1, 1]]) <= 1e-5
 
 
 def test_forward_decode_and_prefill_forms_agree(backend):
