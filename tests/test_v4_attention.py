@@ -272,7 +272,7 @@ def test_torch_chunks_and_bf16(monkeypatch):
 def test_oracle_by_hand():
     """The oracle against a hand-computed case: window 2, rate 2, one query at position 3 sees raw
     entries 2 and 3 and compressed entries 0 and 1 ((3+1)//2 = 2), plus the sink."""
-    D, H = 4, 1
+    D = 4
     raw_entries = torch.eye(4, dtype=torch.float64)
     comp_entries = torch.tensor([[1.0, 1, 0, 0], [0, 0, 1, 1], [9, 9, 9, 9]], dtype=torch.float64)
     raw = PagedEntries(raw_entries[:, None, :], torch.arange(4)[None], torch.tensor([4]))
