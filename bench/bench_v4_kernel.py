@@ -157,7 +157,8 @@ def main() -> None:
           f"fp32 torch.mm 512^3: {peak / 1e9:.1f} GFLOP/s")
     print()
     first = args.backends.split(",")[0]
-    print(f"| layer | backend | keys/row | CPU ms min | CPU ms median | wall ms median | GFLOP/s (min) | of mm rate | vs torch (min / median) | max rel diff vs {first} |")
+    print("| layer | backend | keys/row | CPU ms min | CPU ms median | wall ms median | GFLOP/s (min) | of mm rate | "
+          f"vs torch (min / median) | max rel diff vs {first} |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = {r["kind"]: r for r in rows if r["backend"] == "torch"}
     for r in rows:
