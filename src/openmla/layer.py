@@ -162,7 +162,7 @@ class LatentAttention(nn.Module):
         editing it by hand). Per head h, rows ``h*(Dn+Dv) : h*(Dn+Dv)+Dn`` are W_UK[h] ``[Dn, L]``,
         the next Dv rows W_UV[h]."""
         c = self.config
-        split = LayerWeights.from_kv_b(self.kv_b_proj.weight, self.kv_a_layernorm.weight, num_heads=c.num_heads,
+        split = LayerWeights.from_kv_b(self.kv_b_proj.weight, self.latent_gamma(), num_heads=c.num_heads,
                                        qk_nope_head_dim=c.qk_nope_head_dim, dtype=self.w_k.dtype)
         self.w_k, self.w_uk, self.w_uv = split.w_k, split.w_uk, split.w_uv
         self._refresh_weights()

@@ -7,7 +7,8 @@ changed. After ``attach(model, num_pages=...)`` each decoder layer's ``self_attn
 it, for a family with several MLA blocks per layer) is an ``AttachedAttention`` sharing the module's
 own submodules, and one ``PagedLatentCache`` serves all of them, one cache layer each (a model
 whose layers differ in latent width, dots3, has one storage per width over the same pages, and a
-plan per distinct width, softmax scale and sliding window each step). Embeddings, norms, MLP / MoE
+plan per distinct width, softmax scale and sliding window each step; a layer that reads an earlier
+layer's latent, Mistral Large 4's, has no cache layer of its own and reads its source's). Embeddings, norms, MLP / MoE
 and ``lm_head`` stay transformers' code. The text model's attention implementation is switched to ``"openmla"`` (registered with transformers'
 ``AttentionInterface``); transformers has no mask function under that name, so it builds no
 attention mask (no ``[T, T]`` tensor for a packed step). ``detach(model)`` puts the original
@@ -125,7 +126,8 @@ def _set_attn_implementation(model: nn.Module, family: Family, implementation: s
 @dataclass(frozen=True)
 class Checked:
     """What ``attach`` read from a model, checked: per MLA attention module (cache-layer order) its
-    ``MLAConfig``, rope table and sliding window (None: causal)."""
+    ``MLAConfig``, rope table, sliding window (None: causal) and the earlier module whose latent it reads
+    (None: its own; ``Family.latent_sources``)."""
 
     family: Family
     hf_config: Any
@@ -133,6 +135,7 @@ class Checked:
     configs: list[MLAConfig]
     ropes: list[RopeTable]
     windows: list[int | None]
+    sources: list[int | None]
 
 
 def _checked(model: nn.Module) -> Checked:
@@ -189,9 +192,15 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple:
     for module, at in zip(originals, where):
         if not isinstance(module, nn.Module) or not isinstance(getattr(module, "kv_b_proj", None), nn.Module):
             raise ValueError(f"{at} is a {type(module).__name__}, not one MLA attention module")
-    configs = [layer_config(family, hf_config, module, at) for module, at in zip(originals, where)]
-    for module, at, mine in zip(originals, where, configs):
-        check_attention(family, mine, module, at)
+    sources = _latent_sources(family, originals, where)
+    configs = [layer_config(family, hf_config, module, at, None if src is None else originals[src])
+               for module, at, src in zip(originals, where, sources)]
+    for module, at, mine, src in zip(originals, where, configs, sources):
+        check_attention(family, mine, module, at, reads_source=src is not None)
+        if src is not None and (mine.kv_lora_rank, mine.qk_rope_head_dim) != (configs[src].kv_lora_rank,
+                                                                             configs[src].qk_rope_head_dim):
+            raise ValueError(f"{at} reads the latent of {where[src]}, whose entries are L+R = {configs[src].kv_lora_rank}+"
+                             f"{configs[src].qk_rope_head_dim} wide, but its own dims are {mine.kv_lora_rank}+{mine.qk_rope_head_dim}")
         _check_lora_scales(family, module, at)
         if mine != configs[0] and not family.per_layer:
             raise ValueError(f"{at} has other MLA dims or another softmax scale than layer 0 ({mine} vs {configs[0]}): one cache "
@@ -200,7 +209,7 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple:
     if family.shared_topk and getattr(originals[0], "indexer", None) is None:
         raise ValueError("layer 0 has no top-k indexer, so no layer before it has picks to share")
     if family.rope_reader == "none":  # no rotary module; the rope part of q and k is never rotated (Kimi Linear)
-        return hf_config, layers, configs, [RopeTable(None, c.qk_rope_head_dim, "none", None) for c in configs], windows
+        return hf_config, layers, configs, [RopeTable(None, c.qk_rope_head_dim, "none", None) for c in configs], windows, sources
     rotary = getattr(family.decoder_of(model), "rotary_emb", None)
     if not isinstance(rotary, nn.Module):
         raise ValueError(f"has no rotary embedding module at {family.decoder}.rotary_emb")
@@ -208,6 +217,9 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple:
     ropes, by_key = [], {}
     try:
         for (parent, _, _), c in zip(slots, configs):
+            if c.qk_rope_head_dim == 0:  # a layer without rope (Mistral Large 4's NoPE layers): an empty table
+                ropes.append(RopeTable(None, 0, "none", None))
+                continue
             kind = _layer_type(hf_config, index_of[id(parent)]) if family.rope_by_layer_type else None
             key = (kind, c.qk_rope_head_dim)
             if key not in by_key:  # one table per layer type (and rope width), shared by its layers
@@ -217,7 +229,20 @@ def _check_family_model(model: nn.Module, family: Family) -> tuple:
             ropes.append(by_key[key])
     except ValueError as exc:
         raise ValueError(f"{exc}; openmla.hf does not reproduce it") from None
-    return hf_config, layers, configs, ropes, windows
+    return hf_config, layers, configs, ropes, windows, sources
+
+
+def _latent_sources(family: Family, modules: list[nn.Module], where: list[str]) -> list[int | None]:
+    """Per MLA attention module, the earlier module whose latent it reads (``Family.latent_sources``), or None."""
+    if family.latent_sources is None:
+        return [None] * len(modules)
+    sources = list(family.latent_sources(modules))
+    if len(sources) != len(modules):  # a bug in the family's function, not the user's
+        raise RuntimeError(f"{family.name}: latent_sources gave {len(sources)} entries for {len(modules)} attention modules")
+    for i, src in enumerate(sources):
+        if src is not None and not (isinstance(src, int) and 0 <= src < i and sources[src] is None):
+            raise ValueError(f"{where[i]} reads the latent of module {src!r}, not an earlier module that writes its own")
+    return sources
 
 
 def attach(
@@ -250,14 +275,16 @@ def attach(
     weight = originals[0].kv_b_proj.weight
     # Cache storage per latent width (L, R) (one for every family but dots3), cache layers numbered within it;
     # a plan per distinct (storage, softmax scale, sliding window) each step.
+    # A layer reading an earlier layer's latent (Family.latent_sources) has no cache layer: it runs on its source's.
     widths, group_of, index_in_group = [], [], []
     plan_keys, plan_of = [], []
-    for c, window in zip(configs, checked.windows):
+    for c, window, src in zip(configs, checked.windows, checked.sources):
         width = (c.kv_lora_rank, c.qk_rope_head_dim)
         if width not in widths:
             widths.append(width)
         g = widths.index(width)
-        index_in_group.append(group_of.count(g))
+        writers = sum(1 for k, s in zip(group_of, checked.sources) if k == g and s is None)
+        index_in_group.append(writers if src is None else index_in_group[src])
         group_of.append(g)
         key = (g, c.softmax_scale, window)
         if key not in plan_keys:
@@ -267,13 +294,15 @@ def attach(
         why = RECORDS[cache_dtype].shape_error(L, R) if cache_dtype in RECORDS else None
         if why is not None:  # a record format that cannot hold this model's entries (NVFP4: L=512, R=64 only)
             raise ValueError(f"cache_dtype: {why[1]}")
-    caches = [PagedLatentCache(group_of.count(g), num_pages, page_size, L + R, cache_dtype or weight.dtype,
-                               device=weight.device, rope_dim=R) for g, (L, R) in enumerate(widths)]
+    caches = [PagedLatentCache(sum(1 for k, s in zip(group_of, checked.sources) if k == g and s is None), num_pages,
+                               page_size, L + R, cache_dtype or weight.dtype, device=weight.device, rope_dim=R)
+              for g, (L, R) in enumerate(widths)]
     cache = caches[0]  # its allocator, page tables and lengths serve every storage (the same rows in each)
     scale = family.query_scale(hf_config) if family.query_scale is not None else None
     clock = AttentionClock(weight.device)
-    attached = [AttachedAttention.adopt(m, c, i, family, r, clock, query_scale=scale, backend=backend)
-                for m, c, i, r in zip(originals, configs, index_in_group, checked.ropes)]
+    attached = [AttachedAttention.adopt(m, c, i, family, r, clock, query_scale=scale, backend=backend,
+                                        reads_latent=src is not None)
+                for m, c, i, r, src in zip(originals, configs, index_in_group, checked.ropes, checked.sources)]
     for module, k in zip(attached, plan_of):
         module.plan_index = k
     indexers = [m for m in attached if m.indexer is not None]

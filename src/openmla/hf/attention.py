@@ -24,6 +24,7 @@ from torch import nn
 from ..config import MLAConfig
 from ..layer import LatentAttention
 from ..planning import MLAPlan
+from ..rope import apply_rope
 from .families import Family
 from .implementation import packed_step
 from .indexer import IndexStep, select_keys, select_pooled
@@ -59,8 +60,13 @@ class AttachedAttention(LatentAttention):
     q_latent_factor: float | None = None  # or on the normed query latent (Family.lora_scales "latents")
     latent_factor: float | None = None  # and on the normed latent: the cache write's gamma carries it
     plan_index: int = 0  # which of a StepPlans' plans this layer runs
+    # Family.latent_sources: this layer reads cache layer ``layer_idx``, an earlier layer's, and writes nothing
+    reads_latent: bool = False
 
     def latent_gamma(self) -> torch.Tensor:
+        if self.reads_latent:  # no latent norm of its own (nothing is written): a placeholder LayerWeights carries
+            w = self.kv_b_proj.weight
+            return torch.ones(self.config.kv_lora_rank, dtype=w.dtype, device=w.device)
         gamma = self.kv_a_layernorm.weight
         if self.latent_factor is None:
             return gamma
@@ -71,8 +77,9 @@ class AttachedAttention(LatentAttention):
     def adopt(cls, module: nn.Module, config: MLAConfig, layer_idx: int, family: Family, rope: RopeTable,
               clock: AttentionClock, *,
               query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              backend: str | None = None) -> "AttachedAttention":
-        """Build on the meta device (no throw-away weights), then take ``module``'s submodules and parameters."""
+              backend: str | None = None, reads_latent: bool = False) -> "AttachedAttention":
+        """Build on the meta device (no throw-away weights), then take ``module``'s submodules and parameters.
+        ``reads_latent``: ``layer_idx`` is an earlier layer's cache layer, which this one reads and never writes."""
         weight = module.kv_b_proj.weight
         layer = cls(config, layer_idx, dtype=weight.dtype, device="meta", backend=backend, max_position=1)
         theirs = dict(module.named_children())
@@ -84,6 +91,7 @@ class AttachedAttention(LatentAttention):
             setattr(layer, name, param)
         layer.indexer = getattr(module, "indexer", None)
         layer.family, layer.rope, layer.clock, layer.query_scale = family, rope, clock, query_scale
+        layer.reads_latent = reads_latent
         if family.lora_scales == "query":  # LongCat-Flash: constant factors on the query and on the normed latent
             layer.q_factor, layer.latent_factor = float(module.mla_scale_q_lora), float(module.mla_scale_kv_lora)
         elif family.lora_scales == "latents":  # dots3: on the normed query latent and the normed latent
@@ -119,7 +127,7 @@ class AttachedAttention(LatentAttention):
         q, q_resid, gate = self._query(hidden, step)
         picks = None
         if self.family.indexer is not None and (self.indexer is not None or self.family.shared_topk):
-            picks = self._pick(hidden, q_resid, kwargs)
+            picks = self._pick(hidden, q_resid, kwargs, step)
             step = step.with_sparse(picks, physical_indices=False)
         out = self._attend(hidden, step, q, gate)[None]
         return (out, None, picks) if self.family.shared_topk else (out, None)
@@ -147,11 +155,13 @@ class AttachedAttention(LatentAttention):
                 gate = self.g_proj(hidden)
         if self.query_scale is not None:  # a factor per token on the whole query (rope is linear: before or after it)
             q = q * self.query_scale(step.token_pos)[:, None, None].to(q.dtype)
+        if f.head_query_scale is not None:  # the module itself, per head and position, on transformers' [B, S, H, D]
+            q = getattr(self, f.head_query_scale)(q[None], step.token_pos.to(q.device)[None], head_dim_first=False)[0]
         if self.q_factor is not None:
             q = q * self.q_factor
         return q, q_resid, gate
 
-    def _pick(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+    def _pick(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, kwargs: dict, step: MLAPlan) -> torch.Tensor:
         """int32 ``[T, stride]`` logical key positions each token attends to (-1: unused): this
         layer's indexer's, or the previous layer's for a layer without one."""
         if self.indexer is None:
@@ -169,22 +179,28 @@ class AttachedAttention(LatentAttention):
         if not (isinstance(tables, tuple) and len(tables) == 2):
             raise ValueError("position_embeddings: a layer with a top-k indexer needs the model's (cos, sin) tables")
         cos, sin = tables
-        return select_keys(self.indexer, self.index_keys, index_step, hidden, q_resid, cos[0], sin[0], self.family.indexer)
+        spec = self.family.indexer
+        positions = step.token_pos.to(hidden.device) if spec.query_scale else None
+        return select_keys(self.indexer, self.index_keys, index_step, hidden, q_resid, cos[0], sin[0], spec, positions)
 
     def _attend(self, hidden: torch.Tensor, step: MLAPlan, q: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """Cache write, attention (``MLAPlan.run``), the output gate, ``o_proj``: ``[T, hidden]``."""
+        """Cache write, attention (``MLAPlan.run``), the output gate, ``o_proj``: ``[T, hidden]`` (a layer reading
+        an earlier layer's latent writes nothing: ``_attend_cached``)."""
         c, f = self.config, self.family
         T = hidden.shape[0]
-        kv = self.kv_a_proj_with_mqa(hidden)
-        if f.rope_key_norm is not None:  # dots3: the key's rope part normed (the module itself) before the write rotates it
-            L = c.kv_lora_rank
-            kv[:, L:] = getattr(self, f.rope_key_norm)(kv[:, L:])
         sink = self.sinks.float() if f.sinks else None
-        table = self.rope.table(step.max_position, hidden.device)
-        t0 = self.clock.now() if self.clock.on else 0.0
-        out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
-        if self.clock.on:
-            self.clock.kernels += self.clock.now() - t0
+        if self.reads_latent:
+            out = self._attend_cached(hidden, step, q, sink)
+        else:
+            kv = self.kv_a_proj_with_mqa(hidden)
+            if f.rope_key_norm is not None:  # dots3: the key's rope part normed (the module itself) before the write rotates it
+                L = c.kv_lora_rank
+                kv[:, L:] = getattr(self, f.rope_key_norm)(kv[:, L:])
+            table = self.rope.table(step.max_position, hidden.device)
+            t0 = self.clock.now() if self.clock.on else 0.0
+            out = step.run(q, kv, self.layer_idx, self.weights, table, attn_sink=sink)
+            if self.clock.on:
+                self.clock.kernels += self.clock.now() - t0
         if f.output_gate == "g_proj":  # Ling 3: the sigmoid in float32, cast to the activations' dtype, then the product
             out = out.to(hidden.dtype) * torch.sigmoid(gate.float()).to(hidden.dtype)[..., None]
         elif gate is not None:
@@ -194,5 +210,26 @@ class AttachedAttention(LatentAttention):
                 out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim).to(self.o_proj.weight.dtype))
 
+    def _attend_cached(self, hidden: torch.Tensor, step: MLAPlan, q: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+        """Attention over cache layer ``layer_idx``, which an earlier layer wrote this step (its latent already
+        normed and its keys' rope rotated there): q's rope part is rotated as the cache write rotates it, then the
+        plan's form runs as ``MLAPlan.run`` would after its write (absorbed for decode or sparse steps, else
+        up-projected). Nothing is written. ``[T, H, Dv]``."""
+        c, w = self.config, self.weights
+        Dn, R = c.qk_nope_head_dim, c.qk_rope_head_dim
+        if R:
+            table = self.rope.table(step.max_position, hidden.device)
+            q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], table, step.token_pos.to(hidden.device), c.rope_interleave)],
+                          dim=-1)
+        t0 = self.clock.now() if self.clock.on else 0.0
+        if step.form == "decode" or step.spec.sparse is not None:
+            q_abs = step.backend.absorb(q, w.w_uk)
+            out = step.backend.unabsorb(step.decode(q_abs, self.layer_idx, kv_lora_rank=c.kv_lora_rank, attn_sink=sink), w.w_uv)
+        else:
+            out = step.prefill(q, self.layer_idx, w.w_k, w.w_uv, attn_sink=sink)
+        if self.clock.on:
+            self.clock.kernels += self.clock.now() - t0
+        return out
+
     def extra_repr(self) -> str:
-        return f"family={self.family.name}, " + super().extra_repr()
+        return f"family={self.family.name}, " + super().extra_repr() + (", reads an earlier layer's latent" if self.reads_latent else "")

@@ -21,9 +21,15 @@ from .indexer import check_indexer, check_pooled
 _DIMS = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size")
 
 
-def layer_config(family: Family, hf_config: Any, module: nn.Module, where: str) -> MLAConfig:
-    """The ``MLAConfig`` of one attention module (dims and softmax scale as the module holds them)."""
-    missing = [d for d in _DIMS + ("q_lora_rank", "scaling") if not hasattr(module, d)]
+def layer_config(family: Family, hf_config: Any, module: nn.Module, where: str, source: nn.Module | None = None) -> MLAConfig:
+    """The ``MLAConfig`` of one attention module (dims and softmax scale as the module holds them).
+
+    ``source``: for a module that reads another's latent (``Family.latent_sources``), that module (its
+    ``kv_a_layernorm`` normed the latent). A module with a plain ``q_proj`` and no ``q_lora_rank``
+    attribute (Mistral Large 4's) has no q LoRA."""
+    plain_q = isinstance(getattr(module, "q_proj", None), nn.Module) and getattr(module, "q_a_proj", None) is None
+    needed = _DIMS + ("scaling",) + (() if plain_q else ("q_lora_rank",))
+    missing = [d for d in needed if not hasattr(module, d)]
     if missing:
         raise ValueError(f"{where} ({type(module).__name__}) has no {missing}")
     bad = [d for d in _DIMS if not isinstance(getattr(module, d), int) or getattr(module, d) < (d != "qk_rope_head_dim")
@@ -34,10 +40,14 @@ def layer_config(family: Family, hf_config: Any, module: nn.Module, where: str) 
     scale = module.scaling
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"{where}.scaling is {scale!r}, not a positive float")
-    eps = _norm_eps(module.kv_a_layernorm if hasattr(module, "kv_a_layernorm") else None, f"{where}.kv_a_layernorm")
+    norm = source if source is not None else module
+    eps = _norm_eps(getattr(norm, "kv_a_layernorm", None), f"{where}.kv_a_layernorm")
+    q_lora_rank = getattr(module, "q_lora_rank", None)
+    if plain_q and q_lora_rank is not None:
+        raise ValueError(f"{where} has a q_proj and q_lora_rank={q_lora_rank!r}")
     return MLAConfig(
         num_heads=module.num_heads, kv_lora_rank=module.kv_lora_rank, qk_nope_head_dim=module.qk_nope_head_dim,
-        qk_rope_head_dim=module.qk_rope_head_dim, v_head_dim=module.v_head_dim, q_lora_rank=module.q_lora_rank,
+        qk_rope_head_dim=module.qk_rope_head_dim, v_head_dim=module.v_head_dim, q_lora_rank=q_lora_rank,
         hidden_size=module.hidden_size, rope_interleave=family.rope_interleaved(hf_config),
         max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or 163840),
         rms_norm_eps=eps, attention_scale=float(scale), name=str(getattr(hf_config, "model_type", family.name)),
@@ -69,8 +79,10 @@ def _rows(module: nn.Module, name: str) -> int:
     return module.get_submodule(name).weight.shape[0]
 
 
-def check_attention(family: Family, config: MLAConfig, module: nn.Module, where: str) -> None:
-    """``ValueError`` unless ``module`` is an attention module of ``family`` that ``config`` describes."""
+def check_attention(family: Family, config: MLAConfig, module: nn.Module, where: str, reads_source: bool = False) -> None:
+    """``ValueError`` unless ``module`` is an attention module of ``family`` that ``config`` describes;
+    ``reads_source``: it reads an earlier layer's latent (``Family.latent_sources``), so it has no latent
+    projection or norm of its own."""
     kind = type(module).__name__
     if kind != family.attention_class:
         raise ValueError(f"{where} is a {kind}; {family.name} models attach with {family.attention_class} only")
@@ -78,6 +90,8 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
         raise ValueError(f"{where} is in training mode with attention dropout; call model.eval() first")
     have = {n for n, _ in module.named_children()}
     want = set(family.module_names(config.q_lora_rank is not None))
+    if reads_source:
+        want -= {"kv_a_proj_with_mqa", "kv_a_layernorm"}
     # a layer reusing the previous layer's top-k has no indexer, nor a dense layer of a family with some
     optional = {"indexer"} if family.shared_topk or family.indexer_optional else set()
     unknown, missing = sorted(have - want), sorted(want - have - optional)
@@ -92,8 +106,9 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
     H, L, R, Dn, Dv = config.num_heads, config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
     if module.kv_b_proj.bias is not None:
         raise ValueError(f"{where}.kv_b_proj has a bias (the absorbed form has no place for it)")
-    shapes = {"kv_b_proj": (H * (Dn + Dv), L), "kv_a_proj_with_mqa": (L + R, config.hidden_size),
-              "o_proj": (config.hidden_size, H * Dv)}
+    shapes = {"kv_b_proj": (H * (Dn + Dv), L), "o_proj": (config.hidden_size, H * Dv)}
+    if not reads_source:
+        shapes["kv_a_proj_with_mqa"] = (L + R, config.hidden_size)
     q_name = {"q_gate": "q_gate_proj"}.get(family.query, "q_b_proj" if config.q_lora_rank is not None else "q_proj")
     shapes[q_name] = (H * (Dn + R + (Dv if family.query == "q_gate" else 0)), None)
     if family.output_gate == "gate_proj":
@@ -104,7 +119,13 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
         weight = module.get_submodule(name).weight
         if weight.shape[0] != rows or (cols is not None and weight.shape[1] != cols):
             raise ValueError(f"{where}.{name}.weight has shape {tuple(weight.shape)}, the MLA dims say ({rows}, {cols or '...'})")
-    _probe_rms_norm(module.kv_a_layernorm, config.rms_norm_eps, f"{where}.kv_a_layernorm")
+    if not reads_source:
+        _probe_rms_norm(module.kv_a_layernorm, config.rms_norm_eps, f"{where}.kv_a_layernorm")
+    if family.head_query_scale is not None:  # run as the module itself: its per-head parameters are checked
+        scaling = module.get_submodule(family.head_query_scale)
+        got = {n: tuple(p.shape) for n, p in scaling.named_parameters()}
+        if got != {"scale": (H,), "bias": (H,)}:
+            raise ValueError(f"{where}.{family.head_query_scale} holds {got}; a per-head query scale has scale and bias of ({H},)")
     if family.rope_key_norm is not None:  # run as the module itself: only its width is checked
         norm = module.get_submodule(family.rope_key_norm)
         if tuple(getattr(norm, "weight", torch.empty(0)).shape) != (R,):
@@ -113,7 +134,7 @@ def check_attention(family: Family, config: MLAConfig, module: nn.Module, where:
         raise ValueError(f"{where}.sinks has shape {tuple(module.sinks.shape)}, expected ({H},)")
     indexer = getattr(module, "indexer", None)
     if family.indexer is not None and indexer is not None:
-        check_indexer(indexer, f"{where}.indexer")
+        check_indexer(indexer, f"{where}.indexer", family.indexer)
         if family.indexer.pooled:
             check_pooled(indexer, f"{where}.indexer")
     elif indexer is not None:

@@ -55,14 +55,24 @@ def pooled_width(module: nn.Module) -> int:
     return int(module.index_topk) + (module.index_kpool - 1 if module.index_kpool_always_select_tail else 0)
 
 
-def check_indexer(module: nn.Module, where: str) -> None:
-    """``ValueError`` unless ``module`` looks like transformers' ``DeepseekV32Indexer``."""
-    missing = [n for n in INDEXER_PARTS if not isinstance(getattr(module, n, None), nn.Module)]
+def check_indexer(module: nn.Module, where: str, spec: IndexerSpec = IndexerSpec()) -> None:
+    """``ValueError`` unless ``module`` looks like transformers' ``DeepseekV32Indexer`` (with the parts
+    ``spec`` reads: ``q_input_norm``, ``softmax_scaling``, ``use_rope``)."""
+    parts = INDEXER_PARTS + (("q_input_norm",) if spec.query_from == "hidden" else ()) + (
+        ("softmax_scaling",) if spec.query_scale else ())
+    missing = [n for n in parts if not isinstance(getattr(module, n, None), nn.Module)]
     missing += [n for n in ("n_heads", "head_dim", "index_topk", "qk_rope_head_dim", "softmax_scale") if not hasattr(module, n)]
     if missing:
         raise ValueError(f"{where} ({type(module).__name__}) is not a DeepSeek-V3.2 indexer: no {missing}")
     if module.qk_rope_head_dim % 2 or module.qk_rope_head_dim > module.head_dim:
         raise ValueError(f"{where} has rope width {module.qk_rope_head_dim} for keys of {module.head_dim}")
+    if spec.rope_by_layer and getattr(module, "use_rope", None) not in (0, 1):  # True/False compare equal to 1/0
+        raise ValueError(f"{where}.use_rope is {getattr(module, 'use_rope', None)!r}, not 0 or 1")
+    if spec.query_scale:
+        got = {n: tuple(p.shape) for n, p in module.softmax_scaling.named_parameters()}
+        if got != {"scale": (module.n_heads,), "bias": (module.n_heads,)}:
+            raise ValueError(f"{where}.softmax_scaling holds {got}; a per-head query scale has scale and bias of "
+                             f"({module.n_heads},)")
 
 
 @dataclass
@@ -118,18 +128,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int, spec
 
 
 @torch.no_grad()
-def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden: torch.Tensor, q_resid: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, spec: IndexerSpec = IndexerSpec()) -> torch.Tensor:
+def select_keys(indexer: nn.Module, keys: torch.Tensor, step: IndexStep, hidden: torch.Tensor, q_resid: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, spec: IndexerSpec = IndexerSpec(),
+                positions: torch.Tensor | None = None) -> torch.Tensor:
     """Write this step's index keys into ``keys [rows, head_dim]`` (one layer's store) and return
     int32 ``[T, step.stride]``: the logical key positions each new token attends to, -1 in unused
-    slots. ``hidden [T, hidden]`` and ``q_resid [T, q_lora_rank]`` are the layer's inputs;
-    ``cos``/``sin [T, rope]`` the model's rotary tables at the tokens' positions; ``spec`` the
-    indexer's form."""
+    slots. ``hidden [T, hidden]`` and ``q_resid [T, q_lora_rank]`` are the layer's inputs (``q_resid``
+    None when ``spec.query_from`` is ``"hidden"``); ``cos``/``sin [T, rope]`` the model's rotary tables at
+    the tokens' positions; ``spec`` the indexer's form; ``positions`` int64 ``[T]`` the tokens' positions
+    (read by ``spec.query_scale``)."""
     T = hidden.shape[0]
     H, D, R = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
-    q = _rope(indexer.wq_b(q_resid).view(T, H, D), cos[:, None], sin[:, None], R, spec)
+    if spec.rope_by_layer and not indexer.use_rope:  # a NoPE layer's indexer rotates nothing (Mistral Large 4)
+        R = 0
+    q_in = q_resid if spec.query_from == "q_latent" else indexer.q_input_norm(hidden)
+    q = indexer.wq_b(q_in).view(T, H, D)
+    if spec.query_scale:  # the module itself, on transformers' [B, S, H, D] layout, before the rope
+        q = indexer.softmax_scaling(q[None], positions[None], head_dim_first=False)[0]
     k = indexer.k_norm(indexer.wk(hidden).to(indexer.k_norm.weight.dtype)).to(hidden.dtype)  # a float32 norm stays float32
-    k = _rope(k, cos, sin, R, spec)
+    if R:
+        q = _rope(q, cos[:, None], sin[:, None], R, spec)
+        k = _rope(k, cos, sin, R, spec)
     keys[step.write_rows] = k.to(keys.dtype)
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * H**-0.5  # [T, H]
     if spec.scale_in_weights:

@@ -29,9 +29,10 @@ def _plan(state: Attachment, batch: CacheBatch, scale: float, window: int | None
 
 def _storage_batch(batch: CacheBatch, cache: PagedLatentCache) -> CacheBatch:
     """``batch`` (the page tables, lengths and rows of the attachment's first cache) over another
-    storage of the same pages: the layers of another latent width (``Family.per_layer``)."""
+    storage of the same pages: the layers of another latent width (``Family.per_layer``), and its own rope
+    width (Mistral Large 4: R = 64 and R = 0 storages)."""
     return dataclasses.replace(batch, blocks=cache.blocks, kv_scale=cache.kv_scale if batch.kv_scale is not None else None,
-                               _host=batch._host.copy())
+                               rope_dim=cache.rope_dim, _host=batch._host.copy())
 
 
 def step_context(state: Attachment, batch: CacheBatch) -> MLAPlan | StepPlans:

@@ -26,6 +26,13 @@ class IndexerSpec:
     - ``rope_layout``: ``"half"`` (``rotate_half`` pairs) or ``"interleave"`` (even/odd pairs);
     - ``rope_at``: ``"head"`` (the first R values of each index head carry the rope) or ``"tail"``;
     - ``scale_in_weights``: ``softmax_scale`` multiplies the head weights (after the relu), not the scores;
+    - ``query_from``: ``"q_latent"`` (``wq_b`` reads the attention's normed query latent) or ``"hidden"``
+      (``wq_b(q_input_norm(hidden))``: the indexer's own norm over the layer's input, for attention without
+      q LoRA: Mistral Large 4);
+    - ``query_scale``: the indexer's ``softmax_scaling`` module scales each index query by its position
+      (called as transformers calls it, on ``[1, T, heads, head_dim]`` before the rope);
+    - ``rope_by_layer``: the indexer's ``use_rope`` says whether it ropes at all (Mistral Large 4's NoPE
+      layers' indexers rotate nothing);
     - ``pooled``: GLM-5-Next's k-pool form (``index_kpool`` P, no rope): the keys of every complete group
       of P positions are pooled by a softmax over ``gate + ape`` into one candidate, the top
       ``index_topk // P`` visible pools win and expand to their P positions, plus (with
@@ -36,7 +43,14 @@ class IndexerSpec:
     rope_layout: str = "half"
     rope_at: str = "head"
     scale_in_weights: bool = False
+    query_from: str = "q_latent"
+    query_scale: bool = False
+    rope_by_layer: bool = False
     pooled: bool = False
+
+    def __post_init__(self) -> None:
+        if self.query_from not in ("q_latent", "hidden"):
+            raise ValueError(f"IndexerSpec: query_from must be 'q_latent' or 'hidden', got {self.query_from!r}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,10 @@ class TextOnly:
 ConfigCheck = Callable[[Any], "str | None"]
 # A query scale rule: (transformers text config) -> (positions int64 [T]) -> float factor [T] on q.
 QueryScale = Callable[[Any], Callable[[torch.Tensor], torch.Tensor]]
+# Which cache layer each MLA attention module reads: (the modules, in cache-layer order) -> per module the
+# index of the earlier module whose latent it reads instead of writing its own (None: its own), or a
+# ValueError naming what is not reproduced.
+LatentSources = Callable[[list], list]
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,10 @@ class Family:
       ``rope_reader``: ``"cos_sin"`` or ``"complex"`` (what the rotary module returns), or ``"none"``: the model
       has no rotary module and never rotates the rope part of queries and keys (Kimi Linear's MLA);
     - ``query_scale``: a per-position factor on the query (Llama-4's), None for none;
+      ``head_query_scale``: the name of a submodule of the attention module that scales the query per head
+      and position, called as transformers calls it (``module(q [1, T, H, Dn+R], positions [1, T],
+      head_dim_first=False)``, before the rope: rope is linear); Mistral Large 4's ``softmax_scaling``
+      (``scale_h * log(pos + 1) + bias_h``);
     - ``output_gate``: None, ``"q_gate"`` or ``"gate_proj"`` (``sigmoid(gate)`` times each head's output
       before ``o_proj``), or ``"g_proj"`` (one scalar per head from ``g_proj``, its sigmoid in float32 and
       cast to the activations' dtype before the product: Ling 3's); ``gate_in_float32``: the sigmoid and
@@ -108,6 +130,10 @@ class Family:
       sequence of a step with that sequence's own state (``openmla.hf.hybrid``); None: every layer is MLA;
     - ``text_only``: a multimodal model whose text model is attached and run on token ids alone; what is
       not text (pixel values, media placeholder tokens, position streams that differ) is refused;
+    - ``latent_sources``: layers may read an earlier layer's latent instead of writing their own (Mistral Large
+      4's ``kv_source_layers``): a function naming each module's source (``LatentSources``); such a layer has no
+      ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` and no cache layer of its own: it runs the step's attention
+      over its source's cache layer (already written this step) with its own ``kv_b_proj``, writing nothing;
     - ``extra_modules``: submodules beyond the MLA projections that the flags account for;
     - ``config_checks``: further checks of the config (allow-list of what the flags reproduce);
     - ``example``: a checkpoint of the family, for ``openmla models``.
@@ -123,6 +149,7 @@ class Family:
     rope_layout: str = "config"
     rope_reader: str = "cos_sin"
     query_scale: QueryScale | None = None
+    head_query_scale: str | None = None
     output_gate: str | None = None
     gate_in_float32: bool = False
     sinks: bool = False
@@ -137,6 +164,7 @@ class Family:
     indexer_optional: bool = False
     linear_attention: str | None = None
     text_only: TextOnly | None = None
+    latent_sources: LatentSources | None = None
     extra_modules: tuple[str, ...] = ()
     config_checks: tuple[ConfigCheck, ...] = ()
     example: str = ""
@@ -181,6 +209,8 @@ class Family:
             out.append("query gate (q_gate_proj)")
         if self.query_scale is not None:
             out.append("position-dependent query scale")
+        if self.head_query_scale is not None:
+            out.append(f"per-head query scale by log-position ({self.head_query_scale})")
         if self.output_gate == "gate_proj":
             out.append("output gate (gate_proj)")
         if self.output_gate == "g_proj":
@@ -189,6 +219,7 @@ class Family:
             out.append("per-head sinks")
         if self.indexer is not None:
             out.append("top-k indexer" + (" over pooled key groups" if self.indexer.pooled else "")
+                       + (" with queries from the hidden states" if self.indexer.query_from == "hidden" else "")
                        + (", shared top-k layers" if self.shared_topk else ""))
         if self.sublayers > 1:
             out.append(f"{self.sublayers} MLA blocks per decoder layer")
@@ -200,6 +231,8 @@ class Family:
             out.append(f"RMSNorm on the key's rope part ({self.rope_key_norm})")
         if self.per_layer:
             out.append("MLA dims per layer (a cache storage per latent width)")
+        if self.latent_sources is not None:
+            out.append("layers reading an earlier layer's latent (no cache layer of their own)")
         if self.sliding_window:
             out.append("sliding-window layers")
         if self.indexer_optional:
