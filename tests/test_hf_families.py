@@ -25,10 +25,10 @@ from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_gre
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# DeepSeek-V2, V3 and V3.2 have their own, wider tests (test_hf_generate.py); Hunyuan V4 VL, dots3 and GLM-5-Next theirs
-# (test_hf_hy_v4_vl.py, test_hf_dots3.py, test_hf_glm5_next.py)
+# DeepSeek-V2, V3 and V3.2 have their own, wider tests (test_hf_generate.py); Hunyuan V4 VL, dots3, GLM-5-Next and
+# Mistral Large 4 theirs (test_hf_hy_v4_vl.py, test_hf_dots3.py, test_hf_glm5_next.py, test_hf_mistral_large4.py)
 CASES = [name for name in PRESETS
-         if name not in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "hy_v4_vl", "dots3_note", "glm5_next")]
+         if name not in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "hy_v4_vl", "dots3_note", "glm5_next", "mistral_large4")]
 
 
 def build(case: str):

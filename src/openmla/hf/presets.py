@@ -66,6 +66,11 @@ PRESETS: dict[str, Preset] = {
                         dict(num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
                              indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"],
                              index_kpool=4, hc_mult=2, linear_num_heads=2, linear_head_dim=32), topk=True),
+    # text only (a tiny vision tower, never run); every layer kind: rope / NoPE (R = 64 / 0), writing its latent /
+    # reading an earlier layer's, running its indexer / reusing the previous layer's picks
+    "mistral_large4": Preset("MistralLarge4ForConditionalGeneration", "MistralLarge4Config",
+                             dict(num_hidden_layers=4, no_rope_layers=[1, 1, 0, 0], kv_source_layers=[0, 0, 2, 2],
+                                  indexer_types=["full", "shared", "shared", "full"]), topk=True),
 }
 
 _SIZES = {
@@ -114,6 +119,10 @@ def family_config(name: str, size: str = "test", **overrides: Any) -> Any:
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, image_size=16,
                       out_hidden_size=kwargs["hidden_size"], projection_intermediate_size=64)
         return transformers.Glm5NextConfig(text_config=kwargs, vision_config=vision, **media, **_IDS)
+    if name == "mistral_large4":
+        vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=4,
+                      image_size=16, head_dim=16)
+        return transformers.MistralLarge4Config(text_config=kwargs, vision_config=vision, **_IDS)
     return getattr(transformers, p.config_class)(**kwargs)
 
 

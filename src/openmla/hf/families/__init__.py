@@ -20,12 +20,14 @@ from .kimi import KIMI_LINEAR
 from .longcat import LONGCAT_FLASH
 from .minicpm3 import MINICPM3
 from .mistral4 import MISTRAL4
+from .mistral_large4 import MISTRAL_LARGE4
 from .refused import REFUSED, Refused
 from .youtu import YOUTU
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K25, DEEPSEEK_V32, GLM4_MOE_LITE, MINICPM3, MISTRAL4, YOUTU, AXK1, AXK2, GLM_MOE_DSA,
     HY_V4, HY_V4_VL, LONGCAT_FLASH, BAILING_HYBRID, KIMI_LINEAR, DOTS3_NOTE, DOTS3_NOTE_MM, GLM5_NEXT,
+    MISTRAL_LARGE4,
 )
 _BY_CLASS = {cls: f for f in FAMILIES for cls in f.model_classes}
 
