@@ -217,6 +217,8 @@ def test_triton_matches_oracle(triton_poisoned, B, H, D, page_size, window, mode
     if H == 64 and not decode and not CUDA:
         pytest.skip("64 heads: decode rows only under the interpreter (time)")
     seed = SEEDS.randrange(2**31)
+    if not decode and not CUDA:
+        B = min(B, 3)  # the interpreter runs each program in Python: prefill rows of 3 ragged sequences
     case = make(seed, B=B, H=H, D=D, page_size=page_size, window=window, mode=mode, rate=rate, decode=decode,
                 sinks=seed % 3 != 0)
     want, want_lse = ref.shared_kv_attention(*case)
@@ -242,7 +244,7 @@ def test_triton_splits_and_bf16(triton_poisoned, mode):
     dev = torch.device("cuda" if CUDA else "cpu")
     moved = _to(dev, *case)
     plan = plan_shared_kv(*moved, backend="triton")
-    for splits in (1, 2, 3, 7):
+    for splits in (1, 3, 7):
         got, lse = shared_kv_into(moved[0], plan, num_splits=splits)
         assert_close(got, want, 1e-5, f"out ({splits} splits)", seed)
         assert_lse(lse.cpu(), want_lse, 1e-5, seed)
