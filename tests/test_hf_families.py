@@ -16,12 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cases import rel_err  # noqa: E402
 from openmla.hf import attach, detach, generate, is_attached  # noqa: E402
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import FAMILIES, REFUSED  # noqa: E402
 from openmla.hf.presets import PRESETS  # noqa: E402
-from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_greedy  # noqa: E402
+from test_hf_generate import NEW, assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,13 +48,7 @@ def test_family_tokens_equal_transformers(case):
     impl, originals = text._attn_implementation, [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     cache = attach(model, num_pages=40, page_size=8)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # shared: same names, same tensors
-    got, logits, _ = run_stream(model, prompts)  # one continuous batch
-    assert got == want_tokens
-    for i in range(len(prompts)):
-        errs = [rel_err(logits[i][t], want_logits[i][t]) for t in range(NEW)]
-        assert max(errs) <= TOL, (i, errs)
-    assert [generate(model, [p], NEW)[0] for p in prompts] == want_tokens  # one at a time
-    assert cache.num_free_pages == cache.num_pages
+    assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits)
     detach(model)  # transformers' modules and attention implementation are back (a composite's text model's only)
     assert [m for m in model.modules() if type(m).__name__.endswith("Attention")] == originals
     assert text._attn_implementation == impl

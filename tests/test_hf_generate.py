@@ -109,6 +109,18 @@ def run_stream(model, prompts, **kwargs):
     return toks, [torch.stack(x) for x in logits], reasons
 
 
+def assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits):
+    """An attached ``model``: one continuous batch gives transformers' greedy tokens and every step's
+    logits within TOL, one request at a time the same tokens, and every page is back after."""
+    got, logits, _ = run_stream(model, prompts)
+    assert got == want_tokens
+    for i in range(len(prompts)):
+        errs = [rel_err(logits[i][t], want_logits[i][t]) for t in range(NEW)]
+        assert max(errs) <= TOL, (i, errs)
+    assert [generate(model, [p], NEW)[0] for p in prompts] == want_tokens
+    assert cache.num_free_pages == cache.num_pages
+
+
 # Equivalence with transformers ---------------------------------------------------------------
 def test_greedy_equals_transformers(reference):
     path, prompts, want_tokens, want_logits = reference

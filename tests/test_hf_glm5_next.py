@@ -20,12 +20,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import openmla  # noqa: E402
-from cases import rel_err  # noqa: E402
-from openmla.hf import attach, attachment, detach, generate, is_attached  # noqa: E402
+from openmla.hf import attach, attachment, detach, is_attached  # noqa: E402
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import REFUSED, family_of  # noqa: E402
 from openmla.hf.indexer import IndexStep, pooled_width, select_pooled  # noqa: E402
-from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_greedy  # noqa: E402
+from test_hf_generate import assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,13 +48,7 @@ def test_text_tokens_equal_transformers(model):
     try:
         assert cache.blocks.shape[-1] == text.kv_lora_rank and cache.rope_dim == 0  # entries: the latent alone
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
-        got, logits, _ = run_stream(model, prompts)
-        assert got == want_tokens
-        for i in range(len(prompts)):
-            errs = [rel_err(logits[i][t], want_logits[i][t]) for t in range(NEW)]
-            assert max(errs) <= TOL, (i, errs)
-        assert [generate(model, [p], NEW)[0] for p in prompts] == want_tokens
-        assert cache.num_free_pages == cache.num_pages
+        assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits)
     finally:
         detach(model)
     assert [m for m in model.modules() if type(m).__name__.endswith("Attention")] == originals

@@ -17,11 +17,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cases import rel_err  # noqa: E402
 from openmla.hf import attach, attachment, detach, generate, is_attached  # noqa: E402
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import REFUSED  # noqa: E402
-from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_greedy  # noqa: E402
+from test_hf_generate import assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,13 +41,7 @@ def test_text_tokens_equal_transformers(model):
     cache = attach(model, num_pages=40, page_size=8)
     try:
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
-        got, logits, _ = run_stream(model, prompts)
-        assert got == want_tokens
-        for i in range(len(prompts)):
-            errs = [rel_err(logits[i][t], want_logits[i][t]) for t in range(NEW)]
-            assert max(errs) <= TOL, (i, errs)
-        assert [generate(model, [p], NEW)[0] for p in prompts] == want_tokens
-        assert cache.num_free_pages == cache.num_pages
+        assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits)
     finally:
         detach(model)
     assert [m for m in model.modules() if type(m).__name__.endswith("Attention")] == originals

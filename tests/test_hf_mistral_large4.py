@@ -27,7 +27,7 @@ from openmla.hf import attach, attachment, detach, generate, is_attached  # noqa
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import REFUSED, family_of  # noqa: E402
 from openmla.hf.indexer import IndexStep, select_keys  # noqa: E402
-from test_hf_generate import NEW, TOL, prompts_for, run_stream, transformers_greedy  # noqa: E402
+from test_hf_generate import assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,13 +70,7 @@ def test_text_tokens_equal_transformers(model):
         assert [(m.reads_latent, m.layer_idx, m.plan_index) for m in state.layers] == [
             (False, 0, 0), (True, 0, 0), (False, 0, 1), (True, 0, 1)]
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
-        got, logits, _ = run_stream(model, prompts)
-        assert got == want_tokens
-        for i in range(len(prompts)):
-            errs = [rel_err(logits[i][t], want_logits[i][t]) for t in range(NEW)]
-            assert max(errs) <= TOL, (i, errs)
-        assert [generate(model, [p], NEW)[0] for p in prompts] == want_tokens
-        assert cache.num_free_pages == cache.num_pages
+        assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits)
     finally:
         detach(model)
     assert _attention_modules(model) == originals

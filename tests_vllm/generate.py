@@ -213,7 +213,8 @@ def run(spec: dict) -> dict:
         prefix_caching=cfg.cache_config.enable_prefix_caching, impl=None if impl is None else f"{impl.__module__}.{impl.__qualname__}",
         impls=sorted({f"{type(a.impl).__module__}.{type(a.impl).__qualname__}" for a in layers}), attention_layers=len(layers),
         amx_bmm=bool(getattr(layer, "is_amx_bmm_enabled", False)),
-        native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops, cache=None if layer is None else [str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
+        native_rope="rotary_embedding" not in cfg.compilation_config.enabled_custom_ops,
+        cache=None if layer is None else [str(layer.kv_cache.dtype), list(layer.kv_cache.shape)],
         init_s=round(t1 - t0, 1), generate_s=round(t2 - t1, 1), calls_compared=len(ERRORS),
         max_rel_err=max(ERRORS, default=None), decode_plans=dict(DECODE_PLANS), decode_max_q_len=sorted(DECODE_THRESHOLDS),
         spec_decode={SPEC_COUNTERS[m.name]: m.value for m in llm.get_metrics() if m.name in SPEC_COUNTERS} if speculative else None)

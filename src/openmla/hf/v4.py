@@ -295,7 +295,8 @@ def forward_step_v4(model: nn.Module, seq_ids: Sequence[Hashable], input_ids: Se
 
 def generate_v4(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                 prefill_chunk: int | None = None, max_running: int | None = None,
-                eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], list[list[torch.Tensor]]]:
+                eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False,
+                ) -> list[list[int]] | tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Greedy generation for every prompt (continuous batching: decodes and prefill chunks of up
     to ``prefill_chunk`` tokens share each step; at most ``max_running`` sequences at once).
     When the pool cannot hold a step, the newest running sequence is preempted (its pages and
