@@ -11,6 +11,8 @@ every step's logits must agree within 1e-4 relative.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -107,6 +109,28 @@ def run_stream(model, prompts, **kwargs):
         if ev.finish_reason:
             reasons[ev.request] = ev.finish_reason
     return toks, [torch.stack(x) for x in logits], reasons
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+
+
+@contextlib.contextmanager
+def attached_text_model(model, **cache_kwargs):
+    """``attach(model, **cache_kwargs)`` (a composite model: its text model) yielding the cache, with
+    the parameters shared; on leaving, ``detach`` puts transformers' attention modules and
+    attention implementation back."""
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    text = model.config.text_config
+    impl, originals = text._attn_implementation, _attention_modules(model)
+    cache = attach(model, **cache_kwargs)
+    try:
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+        yield cache
+    finally:
+        detach(model)
+    assert _attention_modules(model) == originals
+    assert text._attn_implementation == impl and not is_attached(model)
 
 
 def assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits):

@@ -17,10 +17,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from openmla.hf import attach, attachment, detach, generate, is_attached  # noqa: E402
+from openmla.hf import attach, attachment, detach, generate  # noqa: E402
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import REFUSED  # noqa: E402
-from test_hf_generate import assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
+from test_hf_generate import attached_text_model, assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,17 +35,8 @@ def model():
 def test_text_tokens_equal_transformers(model):
     prompts = prompts_for()
     want_tokens, want_logits = transformers_greedy(model, prompts)
-    before = {n: p.data_ptr() for n, p in model.named_parameters()}
-    text = model.config.text_config
-    impl, originals = text._attn_implementation, [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    cache = attach(model, num_pages=40, page_size=8)
-    try:
-        assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    with attached_text_model(model, num_pages=40, page_size=8) as cache:
         assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits)
-    finally:
-        detach(model)
-    assert [m for m in model.modules() if type(m).__name__.endswith("Attention")] == originals
-    assert text._attn_implementation == impl and not is_attached(model)
     assert not model._forward_pre_hooks  # the text-only guard went with detach
 
 

@@ -27,7 +27,7 @@ from openmla.hf import attach, attachment, detach, generate, is_attached  # noqa
 from openmla.hf import presets  # noqa: E402
 from openmla.hf.families import REFUSED, family_of  # noqa: E402
 from openmla.hf.indexer import IndexStep, select_keys  # noqa: E402
-from test_hf_generate import assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
+from test_hf_generate import attached_text_model, assert_serves_like_transformers, prompts_for, transformers_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,22 +59,13 @@ def _attention_modules(model):
 def test_text_tokens_equal_transformers(model):
     prompts = prompts_for()
     want_tokens, want_logits = transformers_greedy(model, prompts)
-    before = {n: p.data_ptr() for n, p in model.named_parameters()}
-    text = model.config.text_config
-    impl, originals = text._attn_implementation, _attention_modules(model)
-    cache = attach(model, num_pages=40, page_size=8)
-    try:
+    with attached_text_model(model, num_pages=40, page_size=8) as cache:
         state = attachment(model)
         # a storage per rope width (R = 64, R = 0), one cache layer each: the reading layers have none
         assert [(tuple(c.blocks.shape), c.rope_dim) for c in state.caches] == [((1, 40, 8, 576), 64), ((1, 40, 8, 512), 0)]
         assert [(m.reads_latent, m.layer_idx, m.plan_index) for m in state.layers] == [
             (False, 0, 0), (True, 0, 0), (False, 0, 1), (True, 0, 1)]
-        assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
         assert_serves_like_transformers(model, cache, prompts, want_tokens, want_logits)
-    finally:
-        detach(model)
-    assert _attention_modules(model) == originals
-    assert text._attn_implementation == impl and not is_attached(model)
 
 
 def test_reader_equals_the_fused_op_over_the_same_latent(model):
