@@ -74,15 +74,9 @@ def build(quick: bool):
 
     torch.manual_seed(0)
     cfg = flash_cut(quick)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("sinks") or name.endswith("position_bias"):
-                p.normal_(0, 0.5)
-        for layer in model.model.layers:
-            if getattr(layer.mlp.gate, "tid2eid", None) is not None:
-                layer.mlp.gate.tid2eid.random_(0, cfg.n_routed_experts)
-    return model, cfg
+    from openmla.testing import randomize_v4_untrained
+
+    return randomize_v4_untrained(DeepseekV4ForCausalLM(cfg).float().eval()), cfg
 
 
 def machine() -> dict:

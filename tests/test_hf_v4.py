@@ -16,6 +16,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 from openmla.hf import Limits, Sampling, attach, detach, generate, stream  # noqa: E402
 from openmla.cache import CacheFullError  # noqa: E402
 from openmla.hf.v4 import attach_v4, forward_step_v4, generate_v4, v4_attachment  # noqa: E402
+from openmla.testing import randomize_v4_untrained  # noqa: E402
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 NEW = 6
@@ -29,15 +30,7 @@ def tiny(seed: int, head_dim: int = 32, rope: int = 8, layers=KINDS, topk: int =
         hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=max(16, 2 * rope), index_topk=topk,
         layer_types=list(layers), compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         max_position_embeddings=512)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("sinks") or name.endswith("position_bias"):
-                p.normal_(0, 0.5)
-        for layer in model.model.layers:
-            if getattr(layer.mlp.gate, "tid2eid", None) is not None:
-                layer.mlp.gate.tid2eid.random_(0, cfg.n_routed_experts)
-    return model
+    return randomize_v4_untrained(DeepseekV4ForCausalLM(cfg).float().eval())
 
 
 def hf_greedy(model, prompt: list[int], n: int):

@@ -59,6 +59,20 @@ class Case:
                     self.w_uv, self.layer_idx, self.seed, dict(self.extras))
 
 
+@torch.no_grad()
+def randomize_v4_untrained(model: torch.nn.Module) -> torch.nn.Module:
+    """A random-weight transformers ``DeepseekV4ForCausalLM`` with the parameters its init leaves
+    inert made to matter: per-head sinks and position biases N(0, 0.5), hash-MoE token tables
+    random (their init routes every token alike). Uses the global torch RNG; returns ``model``."""
+    for name, p in model.named_parameters():
+        if name.endswith("sinks") or name.endswith("position_bias"):
+            p.normal_(0, 0.5)
+    for layer in model.model.layers:
+        if getattr(layer.mlp.gate, "tid2eid", None) is not None:
+            layer.mlp.gate.tid2eid.random_(0, model.config.n_routed_experts)
+    return model
+
+
 def small_config(num_heads: int = 4, L: int = 64, R: int = 16, Dn: int = 32, Dv: int = 32) -> MLAConfig:
     return MLAConfig(num_heads=num_heads, kv_lora_rank=L, qk_rope_head_dim=R, qk_nope_head_dim=Dn, v_head_dim=Dv,
                      q_lora_rank=None, hidden_size=64)
