@@ -89,8 +89,13 @@ def test_cpu_is_the_default_on_cpu_and_env_forces_torch(monkeypatch):
 def test_failed_build_falls_back_to_torch(monkeypatch):
     from openmla.backends.cpu import build
 
+    import openmla.backends as backends
+
     monkeypatch.delenv("OPENMLA_BACKEND", raising=False)
     monkeypatch.setattr(build, "_state", {"loaded": False, "error": "no compiler"})
+    # What a process finds once (the default backend, the loaded backends) starts empty, as in a new process.
+    monkeypatch.setattr(backends, "_CPU_DEFAULT", [])
+    monkeypatch.setattr(backends, "_LOADED", {})
     assert resolve_backend_name(None, CPU) == "torch"
     assert build.unavailable_reason() == "no compiler"
     with pytest.raises(ValueError, match="backend: the cpu backend is unavailable"):

@@ -91,6 +91,17 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
+def _fail(name: str, why: str) -> None:
+    raise ValueError(f"kv_collection.{name}: {why}")
+
+
+def index_tensors_ok(device: torch.device, *fields: tuple[object, int]) -> bool:
+    """Every ``(tensor, rank)``: a plain tensor of that rank, an index dtype, on ``device`` (one
+    expression each: checked per step, the usual answer is yes)."""
+    return all(type(t) is torch.Tensor and t.dim() == rank and t.dtype in INDEX_DTYPES and t.device == device
+               for t, rank in fields)
+
+
 @dataclass(frozen=True)
 class Ticket:
     """What ``PagedLatentCache.prepare`` reserved for one batch: the cache that handed it out,
@@ -159,9 +170,7 @@ class CacheBatch:
 
     def __post_init__(self) -> None:
         """Field checks (host facts only: no device read, no sync)."""
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"kv_collection.{name}: {why}")
-
+        fail = _fail
         if not isinstance(self.cache_format, str) or self.cache_format not in CACHE_FORMATS:
             fail("cache_format", f"expected one of {CACHE_FORMATS}, got {self.cache_format!r}")
         blocks = self.blocks
@@ -171,14 +180,8 @@ class CacheBatch:
             fail("blocks", f"a {self.cache_format} cache is stored as one of {[str(d) for d in STORAGE_DTYPES[self.cache_format]]}, "
                  f"got {blocks.dtype}")
         dev = blocks.device
-        for name, rank in (("block_table", 2), ("cache_lengths", 1), ("input_row_offsets", 1)):
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor) or t.dim() != rank:
-                fail(name, f"expected a {rank}-D index tensor, got {_describe(t)}")
-            if t.dtype not in INDEX_DTYPES:
-                fail(name, f"dtype {t.dtype} is not an index dtype {[str(d) for d in INDEX_DTYPES]}")
-            if t.device != dev:
-                fail(name, f"on {t.device}, the blocks are on {dev}")
+        if not index_tensors_ok(dev, (self.block_table, 2), (self.cache_lengths, 1), (self.input_row_offsets, 1)):
+            self._fail_index_fields(dev)
         B = self.cache_lengths.shape[0]
         if self.block_table.shape[0] != B:
             fail("block_table", f"{self.block_table.shape[0]} rows for {B} sequences (cache_lengths)")
@@ -205,6 +208,17 @@ class CacheBatch:
             fail("ticket", f"expected a Ticket from PagedLatentCache.prepare or None, got {type(self.ticket).__name__}")
         if not isinstance(self._host, HostLists):
             fail("_host", f"expected a HostLists, got {type(self._host).__name__}")
+
+    def _fail_index_fields(self, dev: torch.device) -> None:
+        """The ValueError naming the first index field that is not an index tensor of its rank on ``dev``."""
+        for name, rank in (("block_table", 2), ("cache_lengths", 1), ("input_row_offsets", 1)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                _fail(name, f"expected a {rank}-D index tensor, got {_describe(t)}")
+            if t.dtype not in INDEX_DTYPES:
+                _fail(name, f"dtype {t.dtype} is not an index dtype {[str(d) for d in INDEX_DTYPES]}")
+            if t.device != dev:
+                _fail(name, f"on {t.device}, the blocks are on {dev}")
 
     # Host-side copies, computed once: planning code must not sync per sequence.
     @property

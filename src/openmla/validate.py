@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .cache import CacheBatch, HostLists
+from .cache import CacheBatch, HostLists, index_tensors_ok
 from .formats import CACHE_FORMATS, RECORDS
 from .fp8 import FP8, dequantize_q
 
@@ -144,36 +144,48 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
     dev = b.blocks.device
     if head_dim is not None and b.head_dim != head_dim:
         raise ValueError(f"kv_collection.blocks: entry width {b.head_dim}, expected {head_dim} (L+R)")
-    cl = check_tensor("kv_collection.cache_lengths", b.cache_lengths, rank=1, dtypes=INDEX_DTYPES, device=dev)
+    cl, bt, offs = b.cache_lengths, b.block_table, b.input_row_offsets
+    if not (index_tensors_ok(dev, (cl, 1), (bt, 2), (offs, 1)) and bt.shape[0] == cl.shape[0] == offs.shape[0] - 1):
+        check_tensor("kv_collection.cache_lengths", cl, rank=1, dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("kv_collection.block_table", bt, shape=(cl.shape[0], None), dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("kv_collection.input_row_offsets", offs, shape=(cl.shape[0] + 1,), dtypes=INDEX_DTYPES, device=dev)
     B = cl.shape[0]
-    bt = check_tensor("kv_collection.block_table", b.block_table, shape=(B, None), dtypes=INDEX_DTYPES, device=dev)
-    offs = check_tensor("kv_collection.input_row_offsets", b.input_row_offsets, shape=(B + 1,), dtypes=INDEX_DTYPES, device=dev)
     # Private copies first, then every check reads the copies (one host transfer for the lengths).
-    lens = torch.cat([cl, offs]).to(torch.int32)  # cat copies: one private tensor for both
+    lens = torch.cat([cl, offs])  # cat copies: one private tensor for both
+    if lens.dtype != torch.int32:
+        lens = lens.to(torch.int32)
     cl, offs, bt = lens[:B], lens[B:], _private_int32(bt)
     lens = lens.tolist()
     cache_lens, offsets = lens[:B], lens[B:]
     if offsets[0] != 0:
         raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
+    seq_lens = [c + e - s for c, s, e in zip(cache_lens, offsets, offsets[1:])]  # per sequence, never per token
+    if any(e < s for s, e in zip(offsets, offsets[1:])):
         raise ValueError(f"kv_collection.input_row_offsets: must be non-decreasing, got {offsets}")
     if B and min(cache_lens) < 0:
         raise ValueError(f"kv_collection.cache_lengths: negative length in {cache_lens}")
-    ps = b.page_size
-    pages = [-(-(c + offsets[i + 1] - offsets[i]) // ps) for i, c in enumerate(cache_lens)]  # per sequence, never per token
-    width = bt.shape[1]
-    if B and max(pages) > width:
-        i = next(i for i, p in enumerate(pages) if p > width)
-        raise ValueError(f"kv_collection.block_table: sequence {i} needs {pages[i]} pages, the table has {width}")
-    table = bt.numpy() if bt.device.type == "cpu" else bt.cpu().numpy()
-    if table.size and not (0 <= table.min() and table.max() < b.num_pages):  # else every entry is in the pool
-        used = np.arange(width)[None, :] < np.asarray(pages)[:, None]
-        bad = used & ((table < 0) | (table >= b.num_pages))
-        if bad.any():
-            i = int(np.argmax(bad.any(axis=1)))
-            raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {b.num_pages})")
+    width, ps = bt.shape[1], b.page_size
+    longest = max(seq_lens, default=0)
+    if -(-longest // ps) > width:
+        i = next(i for i, n in enumerate(seq_lens) if -(-n // ps) > width)
+        raise ValueError(f"kv_collection.block_table: sequence {i} needs {-(-seq_lens[i] // ps)} pages, the table has {width}")
+    if bt.numel():
+        lo, hi = torch.aminmax(bt)
+        if not (0 <= int(lo) and int(hi) < b.num_pages):  # else every entry is in the pool
+            _check_pages_in_pool(bt.cpu().numpy(), seq_lens, ps, b.num_pages)
     # The fields were checked by the constructor: a shallow copy with the private metadata.
-    return b.checked_copy(block_table=bt, cache_lengths=cl, input_row_offsets=offs, _host=HostLists(cache_lens, offsets))
+    return b.checked_copy(block_table=bt, cache_lengths=cl, input_row_offsets=offs,
+                          _host=HostLists(cache_lens, offsets, longest))
+
+
+def _check_pages_in_pool(table: np.ndarray, seq_lens: list[int], page_size: int, num_pages: int) -> None:
+    """Every page a sequence touches (its first ceil(len / page_size) entries) in ``[0, num_pages)``."""
+    pages = -(-np.asarray(seq_lens, dtype=np.int64) // page_size)
+    used = np.arange(table.shape[1])[None, :] < pages[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        i = int(np.argmax(bad.any(axis=1)))
+        raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {num_pages})")
 
 
 def _private_int32(t: torch.Tensor) -> torch.Tensor:

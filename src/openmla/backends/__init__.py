@@ -26,10 +26,17 @@ BACKENDS = tuple(REGISTRY)
 _LOADED: dict[str, Backend] = {}
 
 
-def _cpu_default(device: torch.device) -> str:
-    from .cpu import available  # native kernels, built on first use; warns once and falls back
+_CPU_DEFAULT: list[str] = []  # "cpu" or "torch", found once per process (every plan asks)
 
-    return "cpu" if device.type == "cpu" and available() else "torch"
+
+def _cpu_default(device: torch.device) -> str:
+    if device.type != "cpu":
+        return "torch"
+    if not _CPU_DEFAULT:
+        from .cpu import available  # native kernels, built on first use; warns once and falls back
+
+        _CPU_DEFAULT.append("cpu" if available() else "torch")
+    return _CPU_DEFAULT[0]
 
 
 def resolve_backend_name(backend: str | None, device: torch.device) -> str:
@@ -43,6 +50,9 @@ def resolve_backend_name(backend: str | None, device: torch.device) -> str:
 
 def load_backend(name: str) -> Backend:
     """The backend ``name`` (one instance per process); ``ValueError`` when it cannot run here."""
+    loaded = _LOADED.get(name)
+    if loaded is not None:  # every plan asks: once loaded, it stays
+        return loaded
     module, _, cls_name = REGISTRY[name].partition(":")
     try:
         cls = getattr(importlib.import_module(module), cls_name)
