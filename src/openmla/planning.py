@@ -398,7 +398,9 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, device: to
     """The one output rule of every public entry: out in the caller's dtype, LSE float32."""
     if out.dtype != dtype or out.device != device:
         out = out.to(device=device, dtype=dtype)
-    return (out, lse.to(device=device, dtype=torch.float32)) if return_lse else out
+    if not return_lse:
+        return out
+    return out, (lse if lse.dtype == torch.float32 and lse.device == device else lse.to(device=device, dtype=torch.float32))
 
 
 # Making a plan ---------------------------------------------------------------------------

@@ -11,7 +11,9 @@ taken (:func:`compute_dtype` returns None; the adapter falls back to the torch b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -47,8 +49,19 @@ def bf16_gemm() -> bool:
     return _bf16_gemm[0]
 
 
+_COMPUTE: dict[tuple[torch.dtype, ...], torch.dtype | None] = {}  # compute_dtype's answers (asked per layer and step)
+
+
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype | None:
     """The kernels' matmul dtype for inputs of ``dtypes`` (fp8 caches count as bfloat16)."""
+    known = _COMPUTE.get(dtypes, False)
+    if known is not False:
+        return known
+    _COMPUTE[dtypes] = known = _compute_dtype(dtypes)
+    return known
+
+
+def _compute_dtype(dtypes: tuple[torch.dtype, ...]) -> torch.dtype | None:
     dtype = dtypes[0]
     for d in dtypes[1:]:
         dtype = torch.promote_types(dtype, d)
@@ -59,8 +72,7 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype | None:
     return None
 
 
-@dataclass(frozen=True)
-class PagedLayer:
+class PagedLayer(NamedTuple):
     """One layer of a paged latent cache and the batch's page table.
 
     ``pages [num_pages, page_size, W]`` (rows contiguous; W = L+R values, or the fp8_ds_mla /
@@ -77,6 +89,19 @@ class PagedLayer:
     kv_scale: float = 1.0
 
 
+def _no_grad(fn):
+    """``torch.no_grad`` for a kernel wrapper (inference kernels: outputs carry no autograd graph),
+    entered only while grad mode is on: the context manager costs microseconds per call, and engines
+    call under inference mode or no_grad, once per layer and step."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Every output the kernels fill completely comes from here (tests swap in a NaN fill)."""
     return torch.empty(shape, dtype=dtype)
@@ -90,7 +115,7 @@ def _mask_args(mask: MaskVariant) -> tuple[int, int, int]:
     return MASK_CODES[mask.kind], int(mask.window_size or 0), int(mask.chunk_size or 0)
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def decode(
     q: torch.Tensor, cache: PagedLayer, *, kv_lora_rank: int, scale: float, mask: MaskVariant,
     sparse_indices: torch.Tensor | None = None, topk_lengths: torch.Tensor | None = None, physical: bool = True,
@@ -105,14 +130,14 @@ def decode(
     T, H, _ = q.shape
     out, lse = _alloc((T, H, kv_lora_rank), dtype), _alloc((T, H), torch.float32)
     build.ops().decode(
-        q.to(dtype).contiguous(), cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
+        (q if q.dtype == dtype else q.to(dtype)).contiguous(), cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
         cache.fmt, float(cache.kv_scale), kv_lora_rank, float(scale), *_mask_args(mask), idx, topk, bool(physical), sink,
         int(num_partitions or 0), out, lse,
     )
     return out, lse
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def pack_heads(w: torch.Tensor) -> torch.Tensor:
     """``w [H, M, K]`` (bf16 or float32, any strides) -> brgemm B operands of every ``w[h]^T``:
     ``[H, K*M]``, per head and block of n rows of ``w[h]``, ``[K/2][n][2]`` pairs for bf16 (even K)
@@ -140,7 +165,7 @@ def heads_gemm(x: torch.Tensor, packed: torch.Tensor, m: int, k: int) -> torch.T
     return out
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamma: torch.Tensor, cache: PagedLayer, *,
                 epsilon: float, interleaved: bool) -> torch.Tensor:
     """One pass over the new tokens: RMSNorm(kv[:, :L]) * gamma and RoPE(kv[:, L:]) stored at each
@@ -159,7 +184,7 @@ def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamm
     return q_rot
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def gather(cache: PagedLayer, spans: list[tuple[int, int, int]], *, kv_lora_rank: int, rope_dim: int,
            cols: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Entry columns ``cols`` of the cache rows of ``spans`` (sequence, first position, count),
@@ -187,7 +212,7 @@ class PrefillState:
         return cls(_alloc((rows, v_depth), f32), _alloc((rows,), f32), _alloc((rows,), f32))
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def prefill_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, *, offsets: torch.Tensor,
     cache_lengths: torch.Tensor, spans: torch.Tensor, scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None,
@@ -211,7 +236,7 @@ def prefill_chunk(
     return out, lse
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def prefill(
     q: torch.Tensor, cache: PagedLayer, w_k: torch.Tensor, w_uv: torch.Tensor, *, chunks: list[tuple[list[int], list[int]]],
     offsets: list[int], cache_lens: list[int], scale: float, mask: MaskVariant, attn_sink: torch.Tensor | None,
@@ -264,7 +289,7 @@ def prefill(
 SHARED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # entry dtypes shared_kv reads (products in float32)
 
 
-@torch.no_grad()  # inference kernels: outputs carry no autograd graph
+@_no_grad
 def shared_kv(q: torch.Tensor, raw_blocks: torch.Tensor, raw_table: torch.Tensor, token_seq: torch.Tensor,
               token_pos: torch.Tensor, *, window: int, scale: float, comp_blocks: torch.Tensor | None = None,
               comp_table: torch.Tensor | None = None, rate: int = 0, indices: torch.Tensor | None = None,
