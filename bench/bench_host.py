@@ -6,7 +6,7 @@ DeepSeek-V3 attention dims (L=512, R=64, Dn=128, Dv=128), H=16 (a TP=8 shard), `
 layers, B sequences of 16 cached tokens and one new token each: the attention work per layer is
 tiny, so the step time is mostly host work (argument checks, planning, op dispatch).
 
-Two ways to run the same step:
+The ways to run the same step:
 - ``per-op``: the fused ``mla_prefill_decode_graph`` once per layer (what a model built on the
   seed-named ops does: the first call validates and plans, the next ones find the plan kept on
   the batch and compare its metadata by value);
@@ -15,10 +15,17 @@ Two ways to run the same step:
 - ``plan+combine``: the same with ``openmla.combine``'s absorb/unabsorb (one ``torch.bmm`` each)
   instead of the backend's own (only where the backend has them: the native ``cpu`` one).
 
-Each runs twice: on the real ``torch`` backend (the step time), and on a null backend whose
-kernels return empty tensors at once, so that the time left is the host path alone (checks,
-planning, dispatch, absorption calls excluded). Host time per layer = null-backend process CPU
-time / layers: CPU time holds when another process shares the box. JSON: ``bench/out/host.json``.
+- ``engine``: what the vLLM plugin does (``openmla.integrations.vllm``): one cache tensor per layer,
+  ``openmla.plan`` once per step over the first, then per layer ``plan.with_blocks(its cache)
+  .decode(q_abs, 0, return_lse=True)`` (the absorbed form; vLLM absorbs q itself), on the
+  native ``cpu`` backend where it builds, under ``torch.inference_mode`` as vLLM runs it.
+
+Each runs twice: on the real backend (the step time), and with null kernels that return at once,
+so that the time left is the host path alone. For the first three the null kernels are a null
+backend (checks, planning, dispatch; absorption calls excluded); for ``engine`` the native decode
+operator is replaced by a no-op, so the cpu backend's own Python (its wrappers, output
+allocation) counts too. Host time per layer = null-kernel process CPU time / layers: CPU time
+holds when another process shares the box. JSON: ``bench/out/host.json``.
 """
 
 from __future__ import annotations
@@ -74,6 +81,37 @@ def step_plan(cfg, batch, w, x, layers: int, combine: bool = False) -> None:
         plan = without_backend_absorb(plan)
     for layer in range(layers):
         plan.run(x["q"], x["kv"], layer, w["layer"], x["freqs_cis"])
+
+
+@torch.inference_mode()  # as vLLM's model runner
+def step_engine(cfg, batch, w, x, layers: int) -> None:
+    plan = openmla.plan(x["engine_batch"], scale=cfg.softmax_scale, decode_max_q_len=1, backend=x["engine_backend"])
+    for layer in range(layers):
+        plan.with_blocks(x["engine_blocks"][layer]).decode(x["q_abs"], 0, kv_lora_rank=cfg.kv_lora_rank, return_lse=True)
+
+
+def engine_inputs(cache, batch, x) -> None:
+    """The ``engine`` way's inputs: per-layer float32 cache tensors ``[1, pages, page_size, L+R]``
+    (copies of the cache's layers; float32 so that no dtype conversion, which is kernel work on a CPU
+    without bf16 products, counts as host path), a batch over the first, an absorbed query ``[B, H, L+R]``."""
+    from openmla.backends import resolve_backend_name
+
+    x["engine_blocks"] = [cache.blocks[i:i + 1].float() for i in range(cache.blocks.shape[0])]
+    x["engine_batch"] = openmla.CacheBatch(x["engine_blocks"][0], batch.block_table, batch.cache_lengths,
+                                           batch.input_row_offsets, page_size=batch.page_size)
+    x["engine_backend"] = resolve_backend_name(None, torch.device("cpu"))
+    B, H = x["q"].shape[:2]
+    x["q_abs"] = torch.randn(B, H, cache.blocks.shape[3])
+
+
+def null_native(enabled: bool) -> None:
+    """Replace the native cpu backend's operators with no-ops (or put them back): its Python stays."""
+    from openmla.backends.cpu import build
+
+    real = getattr(build, "_real_ops", build.ops)
+    build._real_ops = real
+    null = types.SimpleNamespace(decode=lambda *args: None)
+    build.ops = (lambda: null) if enabled else real
 
 
 def without_backend_absorb(plan):
@@ -146,20 +184,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: host work is single-threaded anyway)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = {"per-op": step_per_op, "plan": step_plan}
+    ways = {"per-op": (step_per_op, null_backend), "plan": (step_plan, null_backend)}
     from openmla.backends import load_backend, resolve_backend_name
 
     if type(load_backend(resolve_backend_name(None, torch.device("cpu")))).absorb is not Backend.absorb:
-        ways["plan+combine"] = lambda *a: step_plan(*a, combine=True)
+        ways["plan+combine"] = (lambda *a: step_plan(*a, combine=True), null_backend)
+    if resolve_backend_name(None, torch.device("cpu")) == "cpu":  # the native kernels built here
+        ways["engine"] = (step_engine, null_native)
     rows = []
     print(f"load average {os.getloadavg()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{args.threads} thread(s), {args.layers} layers, H=16, {CACHED} cached tokens per sequence")
     for B in args.batch:
         cfg, cache, batch, w, x = setup(args.layers, B)
-        for name, f in ways.items():
-            null_backend(True)
+        engine_inputs(cache, batch, x)
+        for name, (f, null) in ways.items():
+            null(True)
             null_wall, null_cpu = measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps)
-            null_backend(False)
+            null(False)
             wall, cpu = measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps)
             host = null_cpu / args.layers
             rows.append(dict(batch=B, way=name, step_ms=wall * 1e3, step_cpu_ms=cpu * 1e3, host_step_cpu_ms=null_cpu * 1e3,
