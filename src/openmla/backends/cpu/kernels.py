@@ -129,8 +129,9 @@ def decode(
     topk = None if topk_lengths is None else _int32(topk_lengths)
     T, H, _ = q.shape
     out, lse = _alloc((T, H, kv_lora_rank), dtype), _alloc((T, H), torch.float32)
+    q = (q if q.dtype == dtype else q.to(dtype)).contiguous()
     build.ops().decode(
-        (q if q.dtype == dtype else q.to(dtype)).contiguous(), cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
+        q, cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
         cache.fmt, float(cache.kv_scale), kv_lora_rank, float(scale), *_mask_args(mask), idx, topk, bool(physical), sink,
         int(num_partitions or 0), out, lse,
     )
