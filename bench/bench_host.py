@@ -85,7 +85,7 @@ def step_plan(cfg, batch, w, x, layers: int, combine: bool = False) -> None:
 
 @torch.inference_mode()  # as vLLM's model runner
 def step_engine(cfg, batch, w, x, layers: int) -> None:
-    plan = openmla.plan(x["engine_batch"], scale=cfg.softmax_scale, decode_max_q_len=1, backend=x["engine_backend"])
+    plan = openmla.plan(x["engine_batch"], scale=cfg.softmax_scale, decode_max_q_len=1, backend="cpu")
     for layer in range(layers):
         plan.with_blocks(x["engine_blocks"][layer]).decode(x["q_abs"], 0, kv_lora_rank=cfg.kv_lora_rank, return_lse=True)
 
@@ -94,12 +94,9 @@ def engine_inputs(cache, batch, x) -> None:
     """The ``engine`` way's inputs: per-layer float32 cache tensors ``[1, pages, page_size, L+R]``
     (copies of the cache's layers; float32 so that no dtype conversion, which is kernel work on a CPU
     without bf16 products, counts as host path), a batch over the first, an absorbed query ``[B, H, L+R]``."""
-    from openmla.backends import resolve_backend_name
-
     x["engine_blocks"] = [cache.blocks[i:i + 1].float() for i in range(cache.blocks.shape[0])]
     x["engine_batch"] = openmla.CacheBatch(x["engine_blocks"][0], batch.block_table, batch.cache_lengths,
                                            batch.input_row_offsets, page_size=batch.page_size)
-    x["engine_backend"] = resolve_backend_name(None, torch.device("cpu"))
     B, H = x["q"].shape[:2]
     x["q_abs"] = torch.randn(B, H, cache.blocks.shape[3])
 
@@ -187,16 +184,18 @@ def main() -> None:
     ways = {"per-op": (step_per_op, null_backend), "plan": (step_plan, null_backend)}
     from openmla.backends import load_backend, resolve_backend_name
 
-    if type(load_backend(resolve_backend_name(None, torch.device("cpu")))).absorb is not Backend.absorb:
+    default = resolve_backend_name(None, torch.device("cpu"))
+    if type(load_backend(default)).absorb is not Backend.absorb:
         ways["plan+combine"] = (lambda *a: step_plan(*a, combine=True), null_backend)
-    if resolve_backend_name(None, torch.device("cpu")) == "cpu":  # the native kernels built here
+    if default == "cpu":  # the native kernels built here
         ways["engine"] = (step_engine, null_native)
     rows = []
     print(f"load average {os.getloadavg()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{args.threads} thread(s), {args.layers} layers, H=16, {CACHED} cached tokens per sequence")
     for B in args.batch:
         cfg, cache, batch, w, x = setup(args.layers, B)
-        engine_inputs(cache, batch, x)
+        if "engine" in ways:
+            engine_inputs(cache, batch, x)
         for name, (f, null) in ways.items():
             null(True)
             null_wall, null_cpu = measure(lambda f=f: f(cfg, batch, w, x, args.layers), args.reps)

@@ -170,8 +170,8 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
         i = next(i for i, n in enumerate(seq_lens) if -(-n // ps) > width)
         raise ValueError(f"kv_collection.block_table: sequence {i} needs {-(-seq_lens[i] // ps)} pages, the table has {width}")
     if bt.numel():
-        lo, hi = torch.aminmax(bt)
-        if not (0 <= int(lo) and int(hi) < b.num_pages):  # else every entry is in the pool
+        lo, hi = torch.stack(torch.aminmax(bt)).tolist()  # one host read (one sync on a GPU)
+        if not (0 <= lo and hi < b.num_pages):  # else every entry is in the pool
             _check_pages_in_pool(bt.cpu().numpy(), seq_lens, ps, b.num_pages)
     # The fields were checked by the constructor: a shallow copy with the private metadata.
     return b.checked_copy(block_table=bt, cache_lengths=cl, input_row_offsets=offs,
