@@ -1,7 +1,7 @@
 """Greedy generation with vLLM's offline ``LLM`` in a fresh process (the plugin's registration
 is process-wide): ``python generate.py SPEC.json`` prints one JSON line ``RESULT {...}`` with
 the token ids of every round, the prompt tokens each request found in the prefix cache and the
-engine settings that were in force (``amx_bmm``: the decode absorption ran on vLLM's AMX bmm).
+engine settings that were in force (``amx_bmm``: the decode absorption ran on vLLM's ``bmm_cpu``).
 A file ``{"cases": [SPEC, ...], ...}`` runs one engine per case, one after the other in this
 process (importing vLLM takes ~13 s of a 2-core box's time; an engine a few), one RESULT line
 each; its own ``no_amx`` and ``compare_with`` hold for every case.

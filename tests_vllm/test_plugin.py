@@ -137,3 +137,33 @@ def test_opt_in_turns_vllms_cpu_rotary_op_off(caplog):
     want, _ = rope.forward_native(positions, q[..., 128:].clone(), None)
     got, _ = rope.forward_cpu(positions, q.clone()[..., 128:], None)
     assert torch.allclose(want[0, 0], got[0, 0]) and not torch.allclose(want, got)
+
+
+@pytest.mark.parametrize("dims", [(128, 512, 128), (64, 256, 64), (192, 512, 256)])  # DeepSeek/Kimi, MiniCPM3, GLM-4.7-Flash
+def test_vllm_bmm_only_where_it_is_exact(dims):
+    """The decode absorption and W_UV on vLLM's ``bmm_cpu``: bfloat16 only, head sizes in multiples
+    of 32, on CPUs that multiply bfloat16 natively; where chosen, both products within bf16 rounding
+    of float64 (every token count the engine may batch), NaN-poisoned outputs fully written."""
+    import torch
+
+    from openmla.integrations.vllm.impl import _vllm_bmm_usable
+
+    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert _vllm_bmm_usable(torch.bfloat16, *dims) == native_bf16
+    assert not _vllm_bmm_usable(torch.float16, *dims) and not _vllm_bmm_usable(torch.float32, *dims)
+    assert not _vllm_bmm_usable(torch.bfloat16, 48, 512, 128) and not _vllm_bmm_usable(torch.bfloat16, 128, 512, 80)
+    if not native_bf16:
+        pytest.skip("vLLM's bmm_cpu is not chosen on this CPU")
+    Dn, L, Dv = dims
+    g = torch.Generator().manual_seed(7)
+    for H in (1, 16):
+        w_uk = torch.randn(H, L, Dn, generator=g).bfloat16()  # AMXMLAImpl's layouts: out[n] = x[n] @ w[n]^T
+        w_uv = torch.randn(H, Dv, L, generator=g).bfloat16()
+        packed = [torch.ops._C.convert_weight_packed(w) for w in (w_uk, w_uv)]
+        for T in (1, 8, 33, 257):
+            for x, w, p in ((torch.randn(T, H, Dn, generator=g), w_uk, packed[0]), (torch.randn(T, H, L, generator=g), w_uv, packed[1])):
+                x = x.bfloat16().transpose(0, 1)  # [H, T, K] views of token-major rows, as MLAAttention passes them
+                out = torch.full((T, H, w.shape[1]), float("nan"), dtype=torch.bfloat16)
+                torch.ops._C.bmm_cpu(out.transpose(0, 1), x, p, True, None)
+                want = torch.einsum("htk,hok->tho", x.double(), w.double())
+                assert (out.double() - want).norm() / want.norm() < 4e-3, (H, T, x.shape[-1])

@@ -12,10 +12,11 @@ Before each attention call of an fp8_e4m3 layer, the layer's ``k_scale`` is copi
 float32 ``[1]`` scale the step's plans read (4 bytes; layers may have their own scales).
 
 The decode form's absorption (q x W_UK) and output projection (x W_UV) are vLLM's, outside
-the backend. On a CPU with AMX and a bfloat16 model the impl opts into vLLM's AMX batched GEMM
-for both (``uses_amx_bmm``: the weights packed once by vLLM's own ``AMXMLAImpl`` code, as its
-AMX_MLA backend does); that GEMM takes bfloat16 only (float16 gives wrong results, float32
-weights are refused), so other dtypes, and CPUs without AMX, run one ``torch.bmm`` each.
+the backend. For a bfloat16 model on a CPU that multiplies bfloat16 natively (AMX, or
+AVX-512-BF16) the impl opts into vLLM's CPU batched GEMM ``bmm_cpu`` for both (``uses_amx_bmm``:
+the weights packed once by vLLM's own ``AMXMLAImpl`` code, as its AMX_MLA backend does); that GEMM
+takes bfloat16 only (float16 gives wrong results, float32 weights are refused) and feature sizes
+in multiples of 32, so other dtypes, shapes and CPUs run one ``torch.bmm`` each.
 
 The first impl of a process logs one line (on vLLM's logger) saying that openmla serves its
 MLA layers, with the openmla backend the kernels run on.
@@ -60,9 +61,9 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         self.w_k: torch.Tensor | None = None  # [H*Dn, L], the prefill K up-projection
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
         self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
-        # Read by MLAAttention once this impl exists: vLLM's AMX bmm for the decode absorption
+        # Read by MLAAttention once this impl exists: vLLM's bmm_cpu for the decode absorption
         # and W_UV, against the packed weights that process_weights_after_loading makes.
-        self.uses_amx_bmm = _amx_bmm_available(_model_dtype())
+        self.uses_amx_bmm = _vllm_bmm_usable(_model_dtype(), self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim)
         self._w_uk_packed = self._w_uv_packed = self._w_scale = None
         _announce(self.uses_amx_bmm, self.cache_format, kv_cache_dtype)
 
@@ -165,13 +166,16 @@ def _model_dtype() -> torch.dtype | None:
     return getattr(model_config, "dtype", None)
 
 
-def _amx_bmm_available(dtype: torch.dtype | None) -> bool:
-    """Whether vLLM's CPU AMX batched GEMM (and its weight packing) can run here for ``dtype``:
-    bfloat16 on a CPU with AMX tiles."""
+def _vllm_bmm_usable(dtype: torch.dtype | None, *features: int) -> bool:
+    """Whether vLLM's CPU batched GEMM (``bmm_cpu`` and its weight packing) serves the decode
+    absorption and W_UV here: a bfloat16 model, feature sizes (Dn, L, Dv) in multiples of 32 (its
+    tile kernel refuses others), and a CPU with AMX tiles or AVX-512-BF16 (there it ran both 6x
+    faster than ``torch.bmm`` in the engine, bench/RESULTS.md; on other CPUs it is not measured)."""
     from vllm.platforms import current_platform
 
     ops = getattr(torch.ops, "_C", None)
-    return (dtype == torch.bfloat16 and current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
+    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return (dtype == torch.bfloat16 and current_platform.is_cpu() and native_bf16 and all(n % 32 == 0 for n in features)
             and hasattr(ops, "convert_weight_packed") and hasattr(ops, "bmm_cpu"))
 
 
@@ -188,4 +192,4 @@ def _announce(amx_bmm: bool, fmt: str, kv_cache_dtype: str) -> None:
     kernels = resolve_backend_name(None, torch.device("cpu" if current_platform.is_cpu() else "cuda"))
     logger.info("openmla %s serves the MLA attention layers of this process (kernels: openmla's %s backend; "
                 "KV cache: openmla's %s format (kv_cache_dtype=%s); absorption and output projection: %s)",
-                __version__, kernels, fmt, kv_cache_dtype, "vLLM's AMX bmm" if amx_bmm else "torch.bmm")
+                __version__, kernels, fmt, kv_cache_dtype, "vLLM's bmm_cpu" if amx_bmm else "torch.bmm")
