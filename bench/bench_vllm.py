@@ -144,8 +144,10 @@ def child(heads: int, backend: str, workdir: Path) -> dict:
 
 def child_tp(heads: int, backend: str, workdir: Path, tp: int) -> dict:
     """Tensor parallelism: ``tp`` worker processes (vLLM's multiprocess executor), so no per-step
-    hooks reach the model runners; decode tokens/s = B * NEW / (time of a generate with NEW + 1
-    tokens - time of one with 1 token), each on fresh prompts (no prefix-cache hits)."""
+    hooks reach the model runners; the decode step time comes from vLLM's own request timestamps
+    (engine core, monotonic): (last token - first token) / (tokens - 1) per request, median over the
+    batch; decode tokens/s = B / that. (The difference of two whole ``generate`` calls, used before,
+    is swamped by the prefill's run-to-run spread.) Fresh prompts each call (no prefix-cache hits)."""
     import torch
 
     global CONTEXT, NEW, DTYPE
@@ -160,20 +162,21 @@ def child_tp(heads: int, backend: str, workdir: Path, tp: int) -> dict:
     llm = LLM(model=str(model), skip_tokenizer_init=True, dtype=DTYPE, enforce_eager=True, max_model_len=CONTEXT + 64,
               max_num_seqs=B, max_num_batched_tokens=8192, kv_cache_memory_bytes=512 << 20, seed=0,
               kv_cache_dtype=os.environ.get("BENCH_KV_CACHE_DTYPE", "auto"), tensor_parallel_size=tp,
-              distributed_executor_backend="mp" if tp > 1 else None)
+              distributed_executor_backend="mp" if tp > 1 else None, disable_log_stats=False)
     g = torch.Generator().manual_seed(0)
 
-    def generate(max_tokens: int, context: int = CONTEXT) -> float:
+    def generate(max_tokens: int, context: int = CONTEXT):
         prompts = [{"prompt_token_ids": torch.randint(2, 512, (context,), generator=g).tolist()} for _ in range(B)]
         t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t0
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0, outs
 
     generate(2, 64)  # warm-up
-    prefill = generate(1)
-    full = generate(NEW + 1)
+    prefill, _ = generate(1)
+    full, outs = generate(NEW + 1)
+    step = statistics.median((o.metrics.last_token_ts - o.metrics.first_token_ts) / (len(o.outputs[0].token_ids) - 1) for o in outs)
     return dict(heads=heads, backend=backend, tp=tp, prefill_s=prefill, generate_s=full,
-                decode_tokens_per_s=B * NEW / (full - prefill), decode_step_ms=1e3 * (full - prefill) / NEW)
+                decode_tokens_per_s=B / step, decode_step_ms=1e3 * step)
 
 
 def _omp_bind(tp: int) -> str:
