@@ -395,6 +395,7 @@ def test_bf16_computes_in_float32_without_bf16_brgemm(monkeypatch):
     from openmla.backends.cpu import kernels
 
     monkeypatch.setattr(kernels, "_bf16_gemm", [False])
+    monkeypatch.setattr(kernels, "_COMPUTE", {})  # compute_dtype's answers, kept per process
     assert kernels.compute_dtype(torch.bfloat16) == torch.float32
     case = make_case([0, 37, 80], [3, 1, 12], config=small_config(num_heads=3), page_size=16, dtype=torch.bfloat16)
     check_decode(case, random_q_abs(case), mask="sliding_window_noncausal", window_size=9)
