@@ -116,3 +116,30 @@ def test_prefill_entry_rejects_bad_cache_offsets():
         openmla.flare_mla_prefill(c.q, k, v, bro, co, c.batch, 0, scale=1.0, backend="reference")
     with pytest.raises(ValueError, match="buffer_row_offsets"):
         openmla.flare_mla_prefill(c.q, k, v, bro[:-1], co, c.batch, 0, scale=1.0, backend="reference")
+
+
+@pytest.mark.parametrize("table_on_host", [True, False])
+@pytest.mark.parametrize("dtypes", [(torch.int32, torch.int32), (torch.uint32, torch.int64), (torch.int64, torch.uint32)])
+def test_page_table_range_checked_on_either_read(table_on_host, dtypes, monkeypatch):
+    """The page table is range-checked from the host read of the lengths (small tables) or by its
+    own min/max (large ones): the same verdicts either way, for any mix of index dtypes. Entries
+    past a sequence's pages are never read, so they may hold anything."""
+    import openmla.validate as validate
+
+    monkeypatch.setattr(validate, "HOST_TABLE_MAX", 10**6 if table_on_host else 0)
+    table_dtype, len_dtype = dtypes
+    c = base_case()  # sequences of 8, 2 and 21 tokens in 4-token pages: 2, 1 and 6 pages
+    b = c.batch
+    table = b.block_table.to(torch.int64)
+    table[1, 1:] = b.num_pages + 7  # unused by sequence 1: accepted
+    cast = lambda t, d: t.to(torch.int64).to(d)  # noqa: E731
+    ok = openmla.CacheBatch(b.blocks, cast(table, table_dtype), cast(b.cache_lengths, len_dtype),
+                            cast(b.input_row_offsets, len_dtype), b.page_size)
+    plan = openmla.plan(ok, scale=1.0, backend="reference")
+    assert plan.batch.block_table.dtype == torch.int32 and torch.equal(plan.batch.block_table.long(), table)
+    assert plan.batch.cache_lengths.tolist() == b.cache_lengths.tolist() == plan.batch._host.cache_lengths
+    assert plan.batch.input_row_offsets.tolist() == b.input_row_offsets.tolist() == plan.batch._host.offsets
+    table[2, 5] = b.num_pages  # sequence 2's last page: rejected
+    bad = openmla.CacheBatch(b.blocks, cast(table, table_dtype), b.cache_lengths, b.input_row_offsets, b.page_size)
+    with pytest.raises(ValueError, match="block_table: sequence 2 has a page outside the pool"):
+        openmla.plan(bad, scale=1.0, backend="reference")

@@ -17,6 +17,7 @@ from .fp8 import FP8, dequantize_q
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
+HOST_TABLE_MAX = 1024  # page-table entries read to the host with the lengths (below this, min/max on a list beat an aminmax read)
 STORAGE_DTYPES = {"native": FLOAT_DTYPES, "fp8_e4m3": (FP8,), **{name: (torch.uint8,) for name in RECORDS}}
 
 
@@ -149,14 +150,18 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
         check_tensor("kv_collection.cache_lengths", cl, rank=1, dtypes=INDEX_DTYPES, device=dev)
         check_tensor("kv_collection.block_table", bt, shape=(cl.shape[0], None), dtypes=INDEX_DTYPES, device=dev)
         check_tensor("kv_collection.input_row_offsets", offs, shape=(cl.shape[0] + 1,), dtypes=INDEX_DTYPES, device=dev)
-    B = cl.shape[0]
-    # Private copies first, then every check reads the copies (one host transfer for the lengths).
-    lens = torch.cat([cl, offs])  # cat copies: one private tensor for both
-    if lens.dtype != torch.int32:
-        lens = lens.to(torch.int32)
-    cl, offs, bt = lens[:B], lens[B:], _private_int32(bt)
-    lens = lens.tolist()
-    cache_lens, offsets = lens[:B], lens[B:]
+    B, W = bt.shape
+    # One private copy of all three first, then every check reads it (one host transfer: the
+    # lengths, and the page table too when it is small).
+    parts = [cl, offs, bt.reshape(-1)]
+    if not cl.dtype == offs.dtype == bt.dtype == torch.int32:
+        parts = [t.to(torch.int32) for t in parts]  # (cat does not promote uint32)
+    meta = torch.cat(parts)
+    cl, offs, bt = meta.split([B, B + 1, B * W])
+    bt = bt.view(B, W)
+    table_on_host = B * W <= HOST_TABLE_MAX
+    host = (meta if table_on_host else meta[: 2 * B + 1]).tolist()
+    cache_lens, offsets = host[:B], host[B:2 * B + 1]
     if offsets[0] != 0:
         raise ValueError(f"kv_collection.input_row_offsets: must start at 0, got {offsets[0]}")
     seq_lens = [c + e - s for c, s, e in zip(cache_lens, offsets, offsets[1:])]  # per sequence, never per token
@@ -169,8 +174,9 @@ def snapshot_batch(kv_collection: object, head_dim: int | None = None) -> CacheB
     if -(-longest // ps) > width:
         i = next(i for i, n in enumerate(seq_lens) if -(-n // ps) > width)
         raise ValueError(f"kv_collection.block_table: sequence {i} needs {-(-seq_lens[i] // ps)} pages, the table has {width}")
-    if bt.numel():
-        lo, hi = torch.stack(torch.aminmax(bt)).tolist()  # one host read (one sync on a GPU)
+    if B * W:
+        pages = host[2 * B + 1:]
+        lo, hi = (min(pages), max(pages)) if table_on_host else torch.stack(torch.aminmax(bt)).tolist()
         if not (0 <= lo and hi < b.num_pages):  # else every entry is in the pool
             _check_pages_in_pool(bt.cpu().numpy(), seq_lens, ps, b.num_pages)
     # The fields were checked by the constructor: a shallow copy with the private metadata.
@@ -186,11 +192,6 @@ def _check_pages_in_pool(table: np.ndarray, seq_lens: list[int], page_size: int,
     if bad.any():
         i = int(np.argmax(bad.any(axis=1)))
         raise ValueError(f"kv_collection.block_table: sequence {i} has a page outside the pool [0, {num_pages})")
-
-
-def _private_int32(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous int32 copy of an index tensor (what the kernels read)."""
-    return t.clone(memory_format=torch.contiguous_format) if t.dtype == torch.int32 else t.to(torch.int32).contiguous()
 
 
 def check_sparse(
