@@ -13,7 +13,8 @@ outs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)
 Needs ``transformers`` (``pip install 'openmla[hf]'``).
 """
 
-from .attach import Attachment, attach, attachment, detach, is_attached
+from .attach import attach, detach
+from .state import Attachment, attachment, is_attached
 from .generate import TokenEvent, generate, stream
 from .sampling import Sampling
 from .scheduler import Limits

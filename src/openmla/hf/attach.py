@@ -17,7 +17,8 @@ modules and attention implementation back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,43 +34,12 @@ from .families import Family, family_of
 from .hybrid import HybridLayers, check_linear, is_linear
 from .indexer import pooled_width
 from .rope import RopeTable, rope_limit
+from .state import ATTR, Attachment, attachment, is_attached
 from .stats import AttentionClock
+from .step import forward_step
 from .text_only import TextOnlyGuard, media_token_ids
 from .v4 import _ATTR as V4_ATTR, attach_v4, detach_v4, is_v4
-
-_ATTR = "_openmla_attachment"
-
-
-@dataclass
-class Attachment:
-    """What ``attach`` changed on a model, and the cache its layers share."""
-
-    cache: PagedLatentCache
-    config: MLAConfig
-    layers: list[AttachedAttention]
-    originals: list[nn.Module]
-    previous_attn_implementation: str | None
-    backend: str | None = None  # the openmla backend asked for (None: automatic per device)
-    index_keys: torch.Tensor | None = None  # [indexer layers, pages * page_size, index_head_dim], rows as the cache's
-    index_topk: int = 0
-    family: Family | None = None
-    vocab_size: int = 0
-    rope: RopeTable | None = None
-    clock: AttentionClock | None = None  # time in the attention layers, while generate/stream record stats
-    hybrid: HybridLayers | None = None  # a hybrid model's linear-attention layers and their per-sequence states
-    text_only: TextOnlyGuard | None = None  # a multimodal model run on text: refuses media inputs (Family.text_only)
-    media_tokens: dict | None = None  # {placeholder token id: config attribute}: refused in prompts
-    # Cache storage per latent width (caches[0] is ``cache``, whose page tables serve all), and the plans each
-    # step makes: (storage, softmax scale, sliding window or None); a layer runs plan_keys[layer.plan_index]
-    caches: list = field(default_factory=list)
-    plan_keys: list = field(default_factory=list)
-
-    def check_prompts(self, prompts: list[list[int]]) -> None:
-        """``ValueError`` for a prompt the attached model does not run (a media placeholder of a text-only model)."""
-        if self.media_tokens:
-            from .text_only import check_prompts
-
-            check_prompts(prompts, self.media_tokens, self.family.model_classes[0])
+from .verify import check_inputs, check_steps, openmla_outputs, transformers_outputs, unverified_warning, worst_difference
 
 
 def decoder_layers(model: nn.Module, family: Family | None = None) -> nn.ModuleList:
@@ -98,21 +68,6 @@ def attention_slots(layers: nn.ModuleList, family: Family) -> list[tuple[nn.Modu
             raise ValueError(f"{where} is a {type(blocks).__name__}, not a ModuleList of {family.sublayers} MLA modules")
         slots += [(blocks, str(j), f"{where}.{j}") for j in range(family.sublayers)]
     return slots
-
-
-def attachment(model: nn.Module) -> Attachment:
-    """The ``Attachment`` of an attached model; ``ValueError`` when it is not attached."""
-    found = getattr(model, _ATTR, None)
-    if found is None and getattr(model, V4_ATTR, None) is not None:
-        raise ValueError("model: a DeepSeek-V4 model attached to openmla runs through openmla.hf.v4 (generate_v4, "
-                         "forward_step_v4), not this API yet (docs/v4.md)")
-    if found is None:
-        raise ValueError("model: not attached to openmla; call openmla.hf.attach(model, num_pages=...) first")
-    return found
-
-
-def is_attached(model: nn.Module) -> bool:
-    return getattr(model, _ATTR, None) is not None
 
 
 def _text_config(model: nn.Module, family: Family) -> Any:
@@ -245,29 +200,9 @@ def _latent_sources(family: Family, modules: list[nn.Module], where: list[str]) 
     return sources
 
 
-def attach(
-    model: nn.Module,
-    num_pages: int,
-    page_size: int = 64,
-    cache_dtype: torch.dtype | str | None = None,
-    *,
-    backend: str | None = None,
-) -> PagedLatentCache:
-    """Route every attention layer of ``model`` through openmla; returns the shared cache.
-
-    ``num_pages`` x ``page_size`` tokens of latent cache per layer are allocated on the model's
-    device (a model whose layers differ in latent width, dots3, gets one storage per width, every
-    layer with the same pages). ``cache_dtype``: ``None`` stores entries in the attention weights' dtype, else a float
-    dtype, ``"fp8_e4m3"``, ``"fp8_ds_mla"``, ``"nvfp4_ds_mla"`` or ``"nvfp4_fp8rope"`` (see
-    ``PagedLatentCache``; the NVFP4 records hold L=512, R=64 models only). ``backend`` picks the
-    openmla backend (default: automatic per device). Everything is checked before the model is
-    changed: a model openmla.hf does not run exactly raises ``ValueError`` and stays as it was.
-    """
-    if is_v4(model):  # DeepSeek-V4: shared-KV entries, sliding + compressed stores (openmla.hf.v4)
-        return attach_v4(model, num_pages, page_size, cache_dtype, backend=backend)
-    if is_attached(model):
-        raise ValueError("model: already attached; call openmla.hf.detach(model) first")
-    checked = _checked(model)
+def _seat(model: nn.Module, checked: Checked, num_pages: int, page_size: int, cache_dtype: torch.dtype | str | None,
+          backend: str | None) -> PagedLatentCache:
+    """Seat every attention module of a checked model on openmla (what ``attach`` does once the model is checked)."""
     family, hf_config, layers, configs = checked.family, checked.hf_config, checked.layers, checked.configs
     config, rope = configs[0], checked.ropes[0]
     slots = attention_slots(layers, family)
@@ -332,16 +267,103 @@ def attach(
         setattr(parent, name, module)
     hybrid = HybridLayers.attach(family, hf_config, layers)
     guard = TextOnlyGuard.install(family, model) if family.text_only is not None else None
-    setattr(model, _ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
+    setattr(model, ATTR, Attachment(cache, config, attached, originals, previous, backend, index_keys, index_topk,
                                      family, int(hf_config.vocab_size), rope, clock, hybrid, guard,
                                      media_token_ids(family, model), caches, plan_keys))
     return cache
 
 
+def attach(
+    model: nn.Module,
+    num_pages: int,
+    page_size: int = 64,
+    cache_dtype: torch.dtype | str | None = None,
+    *,
+    backend: str | None = None,
+    verify: bool = True,
+) -> PagedLatentCache:
+    """Route every attention layer of ``model`` through openmla; returns the shared cache.
+
+    ``num_pages`` x ``page_size`` tokens of latent cache per layer are allocated on the model's
+    device (a model whose layers differ in latent width, dots3, gets one storage per width, every
+    layer with the same pages). ``cache_dtype``: ``None`` stores entries in the attention weights' dtype, else a float
+    dtype, ``"fp8_e4m3"``, ``"fp8_ds_mla"``, ``"nvfp4_ds_mla"`` or ``"nvfp4_fp8rope"`` (see
+    ``PagedLatentCache``; the NVFP4 records hold L=512, R=64 models only). ``backend`` picks the
+    openmla backend (default: automatic per device). Everything is checked before the model is
+    changed: a model openmla.hf does not run exactly raises ``ValueError`` and stays as it was.
+
+    ``verify`` (default): the self-check (``openmla.hf.verify``) runs every attention module as transformers
+    runs it and as openmla does, on the same random inputs, and refuses the model with a ``ValueError`` naming
+    the layer, the step, the error and the installed transformers version when they differ beyond the weights'
+    dtype's tolerance; the model is then left exactly as it was. It also reads the rope layout the modules apply
+    (half-split or interleaved pairs) from what they compute. ``verify=False`` skips it, with a warning.
+    """
+    if is_v4(model):  # DeepSeek-V4: shared-KV entries, sliding + compressed stores (openmla.hf.v4)
+        return attach_v4(model, num_pages, page_size, cache_dtype, backend=backend, verify=verify)
+    if is_attached(model):
+        raise ValueError("model: already attached; call openmla.hf.detach(model) first")
+    checked = _checked(model)
+    if verify:
+        checked = _verified(model, checked, page_size, backend)
+    else:
+        unverified_warning(type(model).__name__)
+    return _seat(model, checked, num_pages, page_size, cache_dtype, backend)
+
+
+def _rope_readings(checked: Checked) -> list[Checked]:
+    """``checked`` as the family's table reads it, then with the other rope layout (half-split <-> interleaved
+    pairs, in the attention and its indexer alike): the self-check keeps the first that the modules compute."""
+    if checked.family.rope_reader == "none" or all(c.qk_rope_head_dim == 0 for c in checked.configs):
+        return [checked]
+    other = "half" if checked.configs[0].rope_interleave else "interleave"
+    family = dataclasses.replace(checked.family, rope_layout=other)
+    if family.indexer is not None:
+        family = dataclasses.replace(family, indexer=dataclasses.replace(family.indexer, rope_layout=(
+            "half" if family.indexer.rope_layout == "interleave" else "interleave")))
+    configs = [dataclasses.replace(c, rope_interleave=other == "interleave") for c in checked.configs]
+    return [checked, dataclasses.replace(checked, family=family, configs=configs)]
+
+
+def _verified(model: nn.Module, checked: Checked, page_size: int, backend: str | None) -> Checked:
+    """The reading of ``checked`` whose openmla run equals transformers' own on the self-check, or ``ValueError``
+    (the first reading's difference) with the model left as it was."""
+    family = checked.family
+    slots = attention_slots(checked.layers, family)
+    modules = [getattr(parent, name) for parent, name, _ in slots]
+    weight = modules[0].kv_b_proj.weight
+    indexer = next((m.indexer for m in modules if getattr(m, "indexer", None) is not None), None)
+    topk = int(getattr(indexer, "index_topk", 0) or 0)
+    steps = check_steps(int(checked.hf_config.vocab_size), topk, sorted(media_token_ids(family, model) or ()))
+    inputs = check_inputs(steps, modules, checked.configs[0].hidden_size, weight.dtype, weight.device)
+    want = transformers_outputs(model, modules, steps, inputs)
+    first = None
+    for reading in _rope_readings(checked):
+        cache = _seat(model, reading, -(-steps.total // page_size) + 1, page_size, None, backend)
+        key = ("openmla.hf.verify", id(model))
+
+        def run_step(i: int, ids: torch.Tensor) -> None:
+            batch = cache.prepare([key], [int(ids.numel())])
+            forward_step(model, batch, ids, torch.tensor([int(ids.numel()) - 1]))
+            cache.commit(batch)
+
+        try:
+            got = openmla_outputs(attachment(model).layers, steps, inputs, run_step)
+        finally:
+            detach(model)
+        difference = worst_difference(want, got, [at for _, _, at in slots], steps, weight.dtype)
+        if difference is None:
+            return reading
+        first = first or difference
+    raise ValueError(first.message(type(model).__name__))
+
+
 def detach(model: nn.Module) -> None:
-    """Undo ``attach``: the original attention modules and attention implementation come back."""
+    """Undo ``attach``: the original attention modules and attention implementation come back. A model that is not
+    attached (never, or after a refused ``attach``) is left as it is."""
     if getattr(model, V4_ATTR, None) is not None:
         return detach_v4(model)
+    if not is_attached(model):
+        return None
     state = attachment(model)
     for (parent, name, _), module in zip(attention_slots(decoder_layers(model, state.family), state.family), state.originals):
         setattr(parent, name, module)
@@ -351,4 +373,4 @@ def detach(model: nn.Module) -> None:
         state.text_only.remove()
     if state.previous_attn_implementation is not None:
         _set_attn_implementation(model, state.family, state.previous_attn_implementation)
-    delattr(model, _ATTR)
+    delattr(model, ATTR)

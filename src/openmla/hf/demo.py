@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from .attach import attach, attachment, detach
+from .attach import attach, detach
+from .state import attachment
 from .experts import ExpertsChoice, pick_experts_implementation
 from .generate import TokenEvent, stream
 from .presets import DEMO_MODELS, build

@@ -17,7 +17,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from torch import nn
 
-from .attach import attachment
+from .state import attachment
 from .sampling import Sampling, sample
 from .scheduler import Limits, Scheduler, Sequence
 from .stats import GenerationStats, StepRecord

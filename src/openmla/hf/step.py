@@ -15,7 +15,7 @@ from torch import nn
 
 from ..cache import CacheBatch, PagedLatentCache
 from ..planning import MLAPlan, plan
-from .attach import Attachment, attachment
+from .state import Attachment, attachment
 from .attention import INDEX_KWARG, STEP_KWARG, StepPlans
 from .hybrid import LINEAR_KWARG
 from .indexer import IndexStep

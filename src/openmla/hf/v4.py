@@ -31,6 +31,7 @@ from ..v4.cache import V4Cache, V4Layout
 from ..shared_kv_spec import physical_rows
 from .implementation import ATTN_IMPLEMENTATION, packed_step, register
 from .v4_compress import compress, top_k
+from .verify import check_inputs, check_steps, openmla_outputs, transformers_outputs, unverified_warning, worst_difference
 
 STEP_KWARG = "openmla_v4_step"
 MODEL_CLASS = "DeepseekV4ForCausalLM"
@@ -200,13 +201,14 @@ def _check(model: nn.Module) -> tuple[Any, nn.ModuleList]:
 
 
 def attach_v4(model: nn.Module, num_pages: int, page_size: int = 64, cache_dtype: Any = None, *,
-              backend: str | None = None, compressed_pages: int | None = None) -> V4Cache:
+              backend: str | None = None, compressed_pages: int | None = None, verify: bool = True) -> V4Cache:
     """Route every attention layer of a ``DeepseekV4ForCausalLM`` through openmla; returns the cache.
 
     ``num_pages`` x ``page_size`` raw entries per layer (a sliding layer keeps about
     ``sliding_window + page_size`` per sequence); ``compressed_pages`` pages for each compressed
     store (default ``num_pages``). Entries are stored in the attention weights' dtype
-    (``cache_dtype`` None or that dtype: V4's FP8 record is not done yet).
+    (``cache_dtype`` None or that dtype: V4's FP8 record is not done yet). ``verify``: the self-check
+    of ``openmla.hf.attach`` (every layer against transformers' own forward on random inputs), else a warning.
     """
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("model: already attached; call openmla.hf.detach(model) first")
@@ -215,6 +217,16 @@ def attach_v4(model: nn.Module, num_pages: int, page_size: int = 64, cache_dtype
     if cache_dtype is not None and cache_dtype != weight.dtype:
         raise ValueError(f"cache_dtype: DeepSeek-V4 entries are stored in the weights' dtype {weight.dtype} for now "
                          f"(FlashMLA's V4 FP8 record is not wired in), got {cache_dtype!r}")
+    if verify:
+        _verify(model, config, layers, page_size, backend)
+    else:
+        unverified_warning(type(model).__name__)
+    return _seat(model, config, layers, num_pages, page_size, backend, compressed_pages)
+
+
+def _seat(model: nn.Module, config: Any, layers: nn.ModuleList, num_pages: int, page_size: int, backend: str | None,
+          compressed_pages: int | None) -> V4Cache:
+    weight = layers[0].self_attn.kv_proj.weight
     types = tuple(layer.self_attn.layer_type for layer in layers)
     rates = tuple((k, int(config.compress_rates[k])) for k in (CSA, HCA) if k in types)
     layout = V4Layout(types, int(config.head_dim), int(config.qk_rope_head_dim), int(config.sliding_window), rates,
@@ -229,6 +241,31 @@ def attach_v4(model: nn.Module, num_pages: int, page_size: int = 64, cache_dtype
         layer.self_attn = module
     setattr(model, _ATTR, V4Attachment(cache, attached, originals, previous, backend, int(config.vocab_size)))
     return cache
+
+
+def _verify(model: nn.Module, config: Any, layers: nn.ModuleList, page_size: int, backend: str | None) -> None:
+    """``openmla.hf.verify``'s self-check: ``ValueError`` (the model left as it was) when a layer differs."""
+    modules = [layer.self_attn for layer in layers]
+    weight = modules[0].kv_proj.weight
+    topk = int(getattr(config, "index_topk", 0) or 0) if CSA in {m.layer_type for m in modules} else 0
+    steps = check_steps(int(config.vocab_size), topk)
+    inputs = check_inputs(steps, modules, int(config.hidden_size), weight.dtype, weight.device)
+    want = transformers_outputs(model, modules, steps, inputs)
+    cache = _seat(model, config, layers, -(-steps.total // page_size) + 1, page_size, backend, None)
+    key = ("openmla.hf.verify", id(model))
+
+    def run_step(i: int, ids: torch.Tensor) -> None:
+        forward_step_v4(model, [key], [ids.tolist()], torch.tensor([int(ids.numel()) - 1]))
+
+    try:
+        got = openmla_outputs(v4_attachment(model).layers, steps, inputs, run_step)
+    finally:
+        if cache.has(key):
+            cache.release(key)
+        detach_v4(model)
+    difference = worst_difference(want, got, [f"model.layers.{i}.self_attn" for i in range(len(modules))], steps, weight.dtype)
+    if difference is not None:
+        raise ValueError(difference.message(type(model).__name__))
 
 
 def is_attached(model: nn.Module) -> bool:
