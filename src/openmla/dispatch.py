@@ -1,19 +1,25 @@
 """The one route from a plan to its backend's kernels, for eager and compiled calls alike.
 
-``write`` (cache write + q rope) and ``attention`` (the decode or prefill form) run the same
-function either way: eagerly it is called directly; under ``torch.compile`` through an
-``openmla::`` custom op whose implementation is that function. The op carries the plan as a
-``PlanHandle``, an opaque reference that ``torch.compile`` makes an input of the graph (never
-baked in), so a new plan each step reuses the graph; the tensors a kernel reads that the graph
-may produce or mutate (q, kv, weights, the cache storage, sparse lists, sinks) travel as
-arguments so the graph orders them. Outputs are in the backend's ``result_dtypes`` (one rule);
-the plan's public methods then cast to the caller's dtype.
+Every kernel call goes through here: the cache write, attention (decode or prefill form), the
+decode form's absorption and output projection, one prefill chunk with given keys (MAX's
+``flare_mla_prefill``) and V4's shared-KV attention. Each runs the same function either way:
+eagerly it is called directly; under ``torch.compile`` through an ``openmla::`` custom op whose
+implementation is that function. The op carries the plan as a ``PlanHandle``, an opaque
+reference that ``torch.compile`` makes an input of the graph (never baked in), so a new plan
+each step reuses the graph; the tensors a kernel reads that the graph may produce or mutate (q,
+kv, weights, the cache storage, sparse lists, sinks) travel as arguments so the graph orders
+them. Outputs are in the backend's ``result_dtypes`` (one rule); the plan's public methods then
+cast to the caller's dtype.
 
 | op | mutates | returns |
 |---|---|---|
 | ``openmla::write_cache`` | ``blocks`` (the cache) | q with its rope part rotated |
 | ``openmla::attention`` (``form="decode"``) | - | ``(out [T, H, L], lse [T, H])`` from absorbed q |
 | ``openmla::attention`` (``form="prefill"``) | - | ``(out [T, H, Dv], lse [T, H])`` from roped q, ``w_k``, ``w_uv`` |
+| ``openmla::absorb`` | - | ``q_abs [T, H, L+R]`` from roped q and ``w_uk`` |
+| ``openmla::unabsorb`` | - | ``[T, H, Dv]`` from the latent output and ``w_uv`` |
+| ``openmla::chunk_prefill`` | - | ``(out [T, H, Dv], lse [T, H])`` over one chunk of given ``k``, ``v`` |
+| ``openmla::shared_kv_attention`` | - | ``(out [T, H, D], lse [T, H])`` of a V4 plan, in q's dtype and float32 |
 
 Inference only: no autograd formulas are registered.
 """
@@ -146,9 +152,143 @@ def attention(plan, form: str, layer_idx: int, q: Tensor, spec: "AttentionSpec",
     return _attention(plan, form, layer_idx, q, kv_lora_rank, w_k, w_uv, *args)
 
 
-# One prefill chunk with given keys (the seeds' flare_mla_prefill; eager: a kernel-level entry) --
-def flare_prefill(plan, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, chunk: "ChunkRows",
+# Around the decode form: absorption and output projection ------------------------------
+def _absorb(plan, q_rot: Tensor, w_uk: Tensor) -> Tensor:
+    out = plan.backend.absorb(q_rot, w_uk)
+    dtype = plan.backend.result_dtypes(q_rot.dtype)[0]
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _unabsorb(plan, out_lat: Tensor, w_uv: Tensor) -> Tensor:
+    out = plan.backend.unabsorb(out_lat, w_uv)
+    dtype = plan.backend.result_dtypes(out_lat.dtype)[0]
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+@torch.library.custom_op("openmla::absorb", mutates_args=())
+def _absorb_op(q_rot: Tensor, w_uk: Tensor, plan: PlanHandle, out_dtype: torch.dtype) -> Tensor:
+    return _absorb(plan.plan, q_rot, w_uk).contiguous()
+
+
+@_absorb_op.register_fake
+def _(q_rot, w_uk, plan, out_dtype):
+    T, H, qd = q_rot.shape
+    return q_rot.new_empty((T, H, w_uk.shape[1] + qd - w_uk.shape[2]), dtype=out_dtype)
+
+
+@torch.library.custom_op("openmla::unabsorb", mutates_args=())
+def _unabsorb_op(out_lat: Tensor, w_uv: Tensor, plan: PlanHandle, out_dtype: torch.dtype) -> Tensor:
+    return _unabsorb(plan.plan, out_lat, w_uv).contiguous()
+
+
+@_unabsorb_op.register_fake
+def _(out_lat, w_uv, plan, out_dtype):
+    T, H, _ = out_lat.shape
+    return out_lat.new_empty((T, H, w_uv.shape[1]), dtype=out_dtype)
+
+
+def absorb(plan, q_rot: Tensor, w_uk: Tensor) -> Tensor:
+    """``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]`` (the backend's absorption)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.openmla.absorb(q_rot, w_uk, plan.handle, plan.backend.result_dtypes(q_rot.dtype)[0])
+    return _absorb(plan, q_rot, w_uk)
+
+
+def unabsorb(plan, out_lat: Tensor, w_uv: Tensor) -> Tensor:
+    """``out_lat [T, H, L]``, ``w_uv [H, Dv, L]`` -> ``[T, H, Dv]`` (the backend's output projection)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.openmla.unabsorb(out_lat, w_uv, plan.handle, plan.backend.result_dtypes(out_lat.dtype)[0])
+    return _unabsorb(plan, out_lat, w_uv)
+
+
+# One prefill chunk with given keys (MAX's flare_mla_prefill) ------------------------------
+class _Tile:
+    """The blocking a compiled chunk call passes (what the kernels read of an ``MlaConfigV2``)."""
+
+    def __init__(self, block_m: int, block_n: int) -> None:
+        self.block_m, self.block_n = block_m, block_n
+
+
+def _chunk_prefill(plan, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, chunk: "ChunkRows",
+                   tile) -> tuple[Tensor, Tensor]:
+    backend = plan.backend
+    out, lse = backend.flare_mla_prefill(plan, layer_idx, q, k, v, chunk, plan.spec.with_sink(None), tile)
+    out_dtype, lse_dtype = backend.result_dtypes(q.dtype)
+    return _as(out, out_dtype), _as(lse, lse_dtype)
+
+
+@torch.library.custom_op("openmla::chunk_prefill", mutates_args=())
+def _chunk_prefill_op(q: Tensor, k: Tensor, v: Tensor, buffer_row_offsets: Tensor, cache_offsets: Tensor, blocks: Tensor,
+                      plan: PlanHandle, layer_idx: int, bro: list[int], co: list[int], block_m: Optional[int],
+                      block_n: Optional[int], out_dtype: torch.dtype, lse_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    from .chunks import ChunkRows
+
+    chunk = ChunkRows(buffer_row_offsets, cache_offsets, list(bro), list(co))
+    tile = None if block_m is None else _Tile(block_m, block_n)
+    return _chunk_prefill(_over(plan.plan, blocks), layer_idx, q, k, v, chunk, tile)
+
+
+@_chunk_prefill_op.register_fake
+def _(q, k, v, buffer_row_offsets, cache_offsets, blocks, plan, layer_idx, bro, co, block_m, block_n, out_dtype, lse_dtype):
+    T, H, _ = q.shape
+    return q.new_empty((T, H, v.shape[2]), dtype=out_dtype), q.new_empty((T, H), dtype=lse_dtype)
+
+
+def chunk_prefill(plan, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, chunk: "ChunkRows",
                   tile: "MlaConfigV2 | None") -> tuple[Tensor, Tensor]:
     """``q [T, H, Dn+R]`` (roped) over one chunk of up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``
     (their rope part read from the cache); LSE over this chunk's keys, no sink."""
-    return plan.backend.flare_mla_prefill(plan, layer_idx, q, k, v, chunk, plan.spec.with_sink(None), tile)
+    if torch.compiler.is_compiling():
+        out_dtype, lse_dtype = plan.backend.result_dtypes(q.dtype)
+        return torch.ops.openmla.chunk_prefill(q, k, v, chunk.buffer_row_offsets, chunk.cache_offsets, plan.batch.blocks,
+                                               plan.handle, layer_idx, chunk.bro, chunk.co,
+                                               None if tile is None else tile.block_m, None if tile is None else tile.block_n,
+                                               out_dtype, lse_dtype)
+    return _chunk_prefill(plan, layer_idx, q, k, v, chunk, tile)
+
+
+# Shared-KV attention (DeepSeek-V4: openmla.v4.SharedKVPlan) --------------------------------
+def _shared_kv(plan, q: Tensor) -> tuple[Tensor, Tensor]:
+    out, lse = plan.backend.shared_kv_attention(plan, q)
+    return _as(out, q.dtype), _as(lse, torch.float32)
+
+
+def _shared_kv_over(plan, raw_blocks: Tensor, comp_blocks: Optional[Tensor], indices: Optional[Tensor],
+                    attn_sink: Optional[Tensor]):
+    """The V4 plan over the op's tensors: itself, or a copy when the graph hands the op others."""
+    spec, comp = plan.spec, plan.compressed
+    ck = spec.compressed
+    same = (raw_blocks is plan.raw.blocks and (comp is None or comp_blocks is comp.blocks) and attn_sink is spec.attn_sink
+            and (ck is None or indices is ck.indices))
+    if same:
+        return plan
+    if ck is not None and indices is not ck.indices:
+        spec = dataclasses.replace(spec, compressed=dataclasses.replace(ck, indices=indices))
+    if attn_sink is not spec.attn_sink:
+        spec = dataclasses.replace(spec, attn_sink=attn_sink)
+    raw = plan.raw if raw_blocks is plan.raw.blocks else dataclasses.replace(plan.raw, blocks=raw_blocks)
+    if comp is not None and comp_blocks is not comp.blocks:
+        comp = dataclasses.replace(comp, blocks=comp_blocks)
+    return dataclasses.replace(plan, spec=spec, raw=raw, compressed=comp)
+
+
+@torch.library.custom_op("openmla::shared_kv_attention", mutates_args=())
+def _shared_kv_op(q: Tensor, raw_blocks: Tensor, comp_blocks: Optional[Tensor], indices: Optional[Tensor],
+                  attn_sink: Optional[Tensor], plan: PlanHandle) -> tuple[Tensor, Tensor]:
+    return _shared_kv(_shared_kv_over(plan.plan, raw_blocks, comp_blocks, indices, attn_sink), q)
+
+
+@_shared_kv_op.register_fake
+def _(q, raw_blocks, comp_blocks, indices, attn_sink, plan):
+    T, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.float32)
+
+
+def shared_kv(plan, q: Tensor) -> tuple[Tensor, Tensor]:
+    """A V4 step (``openmla.v4.SharedKVPlan``): ``q [T, H, D]`` -> ``out [T, H, D]`` in q's dtype,
+    ``lse [T, H]`` float32."""
+    if torch.compiler.is_compiling():
+        ck, comp = plan.spec.compressed, plan.compressed
+        return torch.ops.openmla.shared_kv_attention(q, plan.raw.blocks, None if comp is None else comp.blocks,
+                                                     None if ck is None else ck.indices, plan.spec.attn_sink, plan.handle)
+    return _shared_kv(plan, q)

@@ -233,7 +233,7 @@ def flare_mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_
     chunk = check_chunk(q, k, v, buffer_row_offsets, cache_offsets, step.batch)
     if _tile is not None and not isinstance(_tile, MlaConfigV2):
         raise ValueError(f"config: expected an MlaConfigV2, got {type(_tile).__name__}")
-    out, lse = dispatch.flare_prefill(step, layer_idx, q, k, v, chunk, _tile)
+    out, lse = dispatch.chunk_prefill(step, layer_idx, q, k, v, chunk, _tile)
     out = out.to(device=step.device, dtype=out_dtype)
     return (out, lse.to(device=step.device, dtype=torch.float32)) if return_lse else out
 

@@ -14,10 +14,12 @@ never syncs with a device.
         out = plan.run(q[i], kv[i], i, weights[i], freqs_cis)    # weights[i]: a LayerWeights
     cache.commit(batch)
 
-``run`` is the fused op (cache write, q rope, then attention in the chosen form); the unfused
-pieces are ``write_cache``, ``decode`` (absorbed q in, latent out) and ``prefill`` (roped q in).
-All of them reach the kernels through ``openmla.dispatch`` (under ``torch.compile``: one
-``openmla::`` custom op each), so a model compiles without graph breaks.
+``run`` is the fused op (cache write, q rope, then attention in the chosen form); ``attend`` is
+``run`` after the write (roped q in, the same form rule: ``absorbed``); the unfused pieces are
+``write_cache``, ``decode`` (absorbed q in, latent out) and ``prefill`` (roped q in). All of them
+reach the kernels only through ``openmla.dispatch`` (under ``torch.compile``: one ``openmla::``
+custom op each, absorption and output projection included), so a model compiles without graph
+breaks.
 """
 
 from __future__ import annotations
@@ -237,6 +239,18 @@ class MLAPlan(Step):
 
     def _check_layer(self, q: torch.Tensor, kv: object, weights: object, freqs_cis: object) -> LayerWeights:
         """``q`` (checked) against ``weights``, ``kv`` and ``freqs_cis`` against both and the cache."""
+        w = self._check_weights(q, weights)
+        L, R = w.kv_lora_rank, self.head_dim - w.kv_lora_rank
+        if not (type(kv) is torch.Tensor and kv.shape == (self.num_tokens, L + R) and kv.dtype in FLOAT_DTYPES
+                and kv.device == self.device):
+            check_tensor("kv", kv, shape=(self.num_tokens, L + R), dtypes=FLOAT_DTYPES, device=self.device)
+        if not (type(freqs_cis) is torch.Tensor and freqs_cis.dim() == 2 and freqs_cis.shape[1] == R
+                and freqs_cis.dtype in (torch.float32, torch.float64) and freqs_cis.device == self.device):
+            check_tensor("freqs_cis", freqs_cis, shape=(None, R), dtypes=(torch.float32, torch.float64), device=self.device)
+        return w
+
+    def _check_weights(self, q: torch.Tensor, weights: object) -> LayerWeights:
+        """``weights`` against the cache, and ``q`` (checked) against both."""
         if not isinstance(weights, LayerWeights):
             raise ValueError(f"weights: expected a LayerWeights (openmla.LayerWeights.from_kv_b), got {type(weights).__name__}")
         if weights.device != self.device:
@@ -248,12 +262,6 @@ class MLAPlan(Step):
                              "(need an even R >= 0)")
         if q.shape[1:] != (H, Dn + R):
             raise ValueError(f"q: expected shape ({self.num_tokens}, {H}, {Dn + R}) for these weights, got {tuple(q.shape)}")
-        if not (type(kv) is torch.Tensor and kv.shape == (self.num_tokens, L + R) and kv.dtype in FLOAT_DTYPES
-                and kv.device == self.device):
-            check_tensor("kv", kv, shape=(self.num_tokens, L + R), dtypes=FLOAT_DTYPES, device=self.device)
-        if not (type(freqs_cis) is torch.Tensor and freqs_cis.dim() == 2 and freqs_cis.shape[1] == R
-                and freqs_cis.dtype in (torch.float32, torch.float64) and freqs_cis.device == self.device):
-            check_tensor("freqs_cis", freqs_cis, shape=(None, R), dtypes=(torch.float32, torch.float64), device=self.device)
         return weights
 
     # The fused op -----------------------------------------------------------------------
@@ -282,18 +290,47 @@ class MLAPlan(Step):
         w = self._check_layer(q, kv, weights, freqs_cis)
         spec = self._sink(attn_sink, w.num_heads)
         q_rot = dispatch.write(self, layer_idx, q, kv, freqs_cis, w.kv_norm_gamma, w.epsilon, w.rope_interleaved)
-        if self.form == "decode" or spec.sparse is not None:
-            # Sparse prefill reads at most ``stride`` keys per token: the absorbed form is the same
-            # math without up-projecting every key.
-            out, lse = self._absorbed(q_rot, layer_idx, spec, w.w_uk, w.w_uv)
-        else:
-            out, lse = dispatch.attention(self, "prefill", layer_idx, q_rot, spec, w_k=w.w_k, w_uv=w.w_uv)
+        out, lse = self._attend(q_rot, layer_idx, spec, w.w_k, w.w_uk, w.w_uv)
         return _finish(out, lse, out_dtype, self.device, return_lse)
 
+    def absorbed(self, spec: AttentionSpec | None = None) -> bool:
+        """The form rule: True when this step's attention runs absorbed (the decode form: every
+        sequence has at most ``decode_max_q_len`` new tokens, or the step is sparse), False when
+        it runs up-projected (the prefill form). Sparse prefill reads at most ``stride`` keys per
+        token: the absorbed form is the same math without up-projecting every key."""
+        return self.form == "decode" or (self.spec if spec is None else spec).sparse is not None
+
+    def _attend(self, q_rot, layer_idx, spec, w_k, w_uk, w_uv):
+        """Attention after the cache write, in the form ``absorbed`` picks (unchecked arguments)."""
+        if self.absorbed(spec):
+            return self._absorbed(q_rot, layer_idx, spec, w_uk, w_uv)
+        return dispatch.attention(self, "prefill", layer_idx, q_rot, spec, w_k=w_k, w_uv=w_uv)
+
     def _absorbed(self, q_rot, layer_idx, spec, w_uk, w_uv):
-        q_abs = self.backend.absorb(q_rot, w_uk)
+        q_abs = dispatch.absorb(self, q_rot, w_uk)
         out_lat, lse = dispatch.attention(self, "decode", layer_idx, q_abs, spec, kv_lora_rank=w_uk.shape[1])
-        return self.backend.unabsorb(out_lat, w_uv), lse
+        return dispatch.unabsorb(self, out_lat, w_uv), lse
+
+    @overload
+    def attend(self, q: torch.Tensor, layer_idx: int, weights: LayerWeights, *, q_scale: torch.Tensor | float | None = ...,
+               attn_sink: torch.Tensor | None = ..., return_lse: Literal[False] = ...) -> torch.Tensor: ...
+
+    @overload
+    def attend(self, q: torch.Tensor, layer_idx: int, weights: LayerWeights, *, q_scale: torch.Tensor | float | None = ...,
+               attn_sink: torch.Tensor | None = ..., return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, q, layer_idx, weights, *, q_scale=None, attn_sink=None, return_lse=False):
+        """``run`` without the cache write: roped ``q [T, H, Dn+R]`` over cache layer ``layer_idx``
+        (which already holds this step's entries) -> ``out [T, H, Dv]``, in the plan's form
+        (``absorbed``: absorbed for decode or sparse steps, else up-projected). For a layer that
+        reads a cache another layer (or an engine) wrote. Output rules as ``run``'s."""
+        q, out_dtype = check_query(q, q_scale, self.num_tokens, self.device)
+        layer_idx = self._layer(layer_idx)
+        _check_return_lse(return_lse)
+        w = self._check_weights(q, weights)
+        spec = self._sink(attn_sink, w.num_heads)
+        out, lse = self._attend(q, layer_idx, spec, w.w_k, w.w_uk, w.w_uv)
+        return _finish(out, lse, out_dtype, self.device, return_lse)
 
     # The unfused pieces --------------------------------------------------------------------
     def write_cache(self, q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, kv_norm_gamma: torch.Tensor,
@@ -363,7 +400,7 @@ class MLAPlan(Step):
             raise ValueError(f"w_uv: latent width {L} leaves {R} rope dims of q's {qd} (cache entries are {self.batch.head_dim} wide)")
         check_tensor("w_k", w_k, shape=(H * Dn, L), dtypes=FLOAT_DTYPES, device=self.device)
         spec = self._sink(attn_sink, H)
-        if spec.sparse is not None:
+        if spec.sparse is not None:  # sparse: absorbed whatever the form (see ``absorbed``)
             out, lse = self._absorbed(q, layer_idx, spec, w_k.view(H, Dn, L).transpose(1, 2), w_uv)
         else:
             out, lse = dispatch.attention(self, "prefill", layer_idx, q, spec, w_k=w_k, w_uv=w_uv)

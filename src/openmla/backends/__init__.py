@@ -12,7 +12,7 @@ import importlib
 import os
 import torch
 
-from .base import Backend, PlanView
+from .base import Backend, PlanView, SharedKVKernels
 
 # name -> "module:class"; a new backend is one more line.
 REGISTRY: dict[str, str] = {
@@ -22,6 +22,9 @@ REGISTRY: dict[str, str] = {
     "cpu": "openmla.backends.cpu.backend:CpuBackend",
 }
 BACKENDS = tuple(REGISTRY)
+# The backends that implement the shared-KV (DeepSeek-V4) protocol, ``base.SharedKVKernels``
+# (load_backend registers each one's class with it).
+SHARED_KV: frozenset[str] = frozenset({"torch", "triton", "reference", "cpu"})
 
 _LOADED: dict[str, Backend] = {}
 
@@ -61,30 +64,40 @@ def load_backend(name: str) -> Backend:
     why = cls.unavailable()
     if why is not None:
         raise ValueError(f"backend: the {name} backend is unavailable here ({why})")
+    if name in SHARED_KV and not issubclass(cls, SharedKVKernels):
+        SharedKVKernels.register(cls)
     if name not in _LOADED:
         _LOADED[name] = cls()
     return _LOADED[name]
 
 
-def _supports(backend: Backend, plan: PlanView):
-    """``supports``, or ``supports_shared_kv`` for a shared-KV (V4) plan."""
-    return backend.supports_shared_kv(plan) if getattr(plan, "shared_kv", False) else backend.supports(plan)
+def _supports(backend: Backend, plan, protocol: type | None):
+    """``supports`` (the MLA kernels), or the protocol's question (``SharedKVKernels``: ``supports_shared_kv``)."""
+    if protocol is None:
+        return backend.supports(plan)
+    if not isinstance(backend, protocol):
+        return f"it does not implement {protocol.__name__} (openmla.backends.SHARED_KV)"
+    return backend.supports_shared_kv(plan)
 
 
-def choose_backend(name: str, plan: PlanView) -> tuple[Backend, str | None]:
+def choose_backend(name: str, plan: PlanView, protocol: type | None = None) -> tuple[Backend, str | None]:
     """The backend that runs ``plan``: ``name``'s, or its fallback when it declines the step, with
-    the reason (None when ``name``'s runs). ``ValueError`` when neither runs it."""
+    the reason (None when ``name``'s runs). ``protocol``: None for an MLA plan, ``SharedKVKernels``
+    for a V4 plan (the backend must be registered for it). ``ValueError`` when neither runs it."""
+    if protocol not in (None, SharedKVKernels):
+        raise ValueError(f"protocol: expected None or SharedKVKernels, got {protocol!r}")
     backend = load_backend(name)
-    why = _supports(backend, plan)
+    why = _supports(backend, plan, protocol)
     if why is True:
         return backend, None
     if backend.fallback is None:
         raise ValueError(f"backend: the {name} backend cannot run this step: {why}")
     fallback = load_backend(backend.fallback)
-    why_not = _supports(fallback, plan)
+    why_not = _supports(fallback, plan, protocol)
     if why_not is not True:
         raise ValueError(f"backend: the {name} backend cannot run this step ({why}), nor its fallback {fallback.name} ({why_not})")
     return fallback, f"{name} declined: {why}"
 
 
-__all__ = ["BACKENDS", "REGISTRY", "Backend", "choose_backend", "load_backend", "resolve_backend_name"]
+__all__ = ["BACKENDS", "REGISTRY", "SHARED_KV", "Backend", "SharedKVKernels", "choose_backend", "load_backend",
+           "resolve_backend_name"]

@@ -10,11 +10,14 @@ the attention sink out, while ``out`` has the sink applied. Outputs are in ``res
 the plan casts them to the caller's dtype (one rule for eager and compiled calls).
 
 A new backend is one subclass in one folder and one line in ``openmla.backends.REGISTRY``
-(docs/backends.md walks through it).
+(docs/backends.md walks through it). ``Backend`` is the MLA kernels (cache write, decode, prefill,
+absorb / unabsorb, and the one-chunk prefill MAX's ``flare_mla_prefill`` runs); V4's shared-KV
+attention is its own protocol (``SharedKVKernels``) that a backend may implement.
 """
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
@@ -102,15 +105,6 @@ class Backend:
         """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``; LSE over its keys."""
         raise NotImplementedError(f"the {self.name} backend does not implement the flare_mla_prefill kernel")
 
-    # Shared-KV entries (DeepSeek-V4: the value is the whole entry, sliding window + compressed keys)
-    def supports_shared_kv(self, plan) -> Literal[True] | str:
-        """True when this backend runs a V4 attention step (``openmla.v4.SharedKVPlan``), else why not."""
-        return "it has no shared-KV (DeepSeek-V4) attention kernel"
-
-    def shared_kv_attention(self, plan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, H, D]`` over ``plan``'s raw window and compressed entries -> ``out [T, H, D]``, ``lse [T, H]``."""
-        raise NotImplementedError(f"the {self.name} backend has no shared-KV (DeepSeek-V4) attention kernel")
-
     # Around the decode form (defaults: openmla.combine's unfused definitions) ---------------
     def absorb(self, q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]``."""
@@ -122,3 +116,20 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<openmla backend {self.name!r}>"
+
+
+class SharedKVKernels(abc.ABC):
+    """The shared-KV (DeepSeek-V4) protocol, beside ``Backend``'s MLA kernels: a backend that runs
+    V4 attention (entry = key = value, sliding window + compressed keys, sinks) implements these
+    two methods and is registered for it (``openmla.backends.SHARED_KV``: ``load_backend``
+    registers each listed backend's class, so ``isinstance(backend, SharedKVKernels)`` says
+    whether it has the kernel). ``openmla.v4.plan_shared_kv`` asks ``supports_shared_kv`` once;
+    the step runs through ``openmla.dispatch.shared_kv``."""
+
+    @abc.abstractmethod
+    def supports_shared_kv(self, plan) -> Literal[True] | str:
+        """True when this backend runs a V4 attention step (``openmla.v4.SharedKVPlan``), else why not."""
+
+    @abc.abstractmethod
+    def shared_kv_attention(self, plan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, H, D]`` over ``plan``'s raw window and compressed entries -> ``out [T, H, D]``, ``lse [T, H]``."""

@@ -212,9 +212,9 @@ class AttachedAttention(LatentAttention):
 
     def _attend_cached(self, hidden: torch.Tensor, step: MLAPlan, q: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
         """Attention over cache layer ``layer_idx``, which an earlier layer wrote this step (its latent already
-        normed and its keys' rope rotated there): q's rope part is rotated as the cache write rotates it, then the
-        plan's form runs as ``MLAPlan.run`` would after its write (absorbed for decode or sparse steps, else
-        up-projected). Nothing is written. ``[T, H, Dv]``."""
+        normed and its keys' rope rotated there): q's rope part is rotated as the cache write rotates it, then
+        ``MLAPlan.attend`` runs the plan's form as ``MLAPlan.run`` would after its write. Nothing is written.
+        ``[T, H, Dv]``."""
         c, w = self.config, self.weights
         Dn, R = c.qk_nope_head_dim, c.qk_rope_head_dim
         if R:
@@ -222,11 +222,7 @@ class AttachedAttention(LatentAttention):
             q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], table, step.token_pos.to(hidden.device), c.rope_interleave)],
                           dim=-1)
         t0 = self.clock.now() if self.clock.on else 0.0
-        if step.form == "decode" or step.spec.sparse is not None:
-            q_abs = step.backend.absorb(q, w.w_uk)
-            out = step.backend.unabsorb(step.decode(q_abs, self.layer_idx, kv_lora_rank=c.kv_lora_rank, attn_sink=sink), w.w_uv)
-        else:
-            out = step.prefill(q, self.layer_idx, w.w_k, w.w_uv, attn_sink=sink)
+        out = step.attend(q, self.layer_idx, w, attn_sink=sink)
         if self.clock.on:
             self.clock.kernels += self.clock.now() - t0
         return out

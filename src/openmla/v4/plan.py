@@ -3,9 +3,10 @@
 ``plan_shared_kv`` reads the call's metadata to the host once (offsets, lengths, the pages any
 query may read, top-k indices), checks every field (``ValueError`` naming the argument, before
 any kernel runs), derives each query row's sequence and position, and asks the backend whether
-it runs the step (``Backend.supports_shared_kv``, through ``openmla.backends.choose_backend``:
-a backend that declines falls back to its ``fallback`` or the call is refused). The backend
-then reads only the validated ``SharedKVPlan``.
+it runs the step (the ``SharedKVKernels`` protocol's ``supports_shared_kv``, through
+``openmla.backends.choose_backend``: a backend that declines falls back to its ``fallback`` or the
+call is refused). The backend then reads only the validated ``SharedKVPlan``, through
+``openmla.dispatch.shared_kv`` (under ``torch.compile``: the ``openmla::shared_kv_attention`` op).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import dispatch
 from ..backends import choose_backend, resolve_backend_name
-from ..backends.base import Backend
-from ..shared_kv_spec import CompressedKeys, PagedEntries, SharedKVSpec
+from ..backends.base import Backend, SharedKVKernels
+from ..shared_kv_spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -43,7 +45,9 @@ class SharedKVPlan:
     backend: Backend | None = None
     backend_name: str = ""
     fallback_reason: str | None = None
-    shared_kv = True  # what openmla.backends.choose_backend asks a backend (supports_shared_kv)
+
+    def __post_init__(self) -> None:
+        self.handle = dispatch.PlanHandle(self)  # how the custom op carries this plan (each copy its own)
 
     def for_layer(self, raw: PagedEntries, spec: SharedKVSpec, compressed: PagedEntries | None = None) -> "SharedKVPlan":
         """The same step over another layer of the same stores: ``raw`` / ``compressed`` with the
@@ -87,8 +91,7 @@ class SharedKVPlan:
         if q.shape != (self.num_tokens, self.num_heads, self.spec.entry.width) or q.device != self.device:
             raise ValueError(f"q: this plan was made for [{self.num_tokens}, {self.num_heads}, {self.spec.entry.width}] on "
                              f"{self.device}, got {tuple(q.shape)} on {q.device}")
-        out, lse = self.backend.shared_kv_attention(self, q)
-        return out.to(q.dtype), lse.to(torch.float32)
+        return dispatch.shared_kv(self, q)
 
 
 def _fail(name: str, why: str) -> None:
@@ -148,6 +151,8 @@ def plan_shared_kv(q: torch.Tensor, q_offsets: torch.Tensor, raw: PagedEntries, 
     T, H, D = q.shape
     device = q.device
     entry = spec.entry
+    if not isinstance(entry, EntryLayout):
+        _fail("spec.entry", f"expected an openmla.v4.EntryLayout, got {type(entry).__name__}")
     if entry.value != "whole":
         _fail("spec.entry.value", f"only 'whole' (the value is the whole entry) is implemented, got {entry.value!r}")
     if not isinstance(entry.width, int) or entry.width < 1 or entry.width != D:
@@ -220,7 +225,7 @@ def plan_shared_kv(q: torch.Tensor, q_offsets: torch.Tensor, raw: PagedEntries, 
     plan = SharedKVPlan(spec, raw, compressed, q_offsets.to(torch.int64), seq.to(device), pos.to(device), T, H, device,
                         min(W, max_kv), comp_keys, kv_lens)
     name = resolve_backend_name(backend, device)
-    plan.backend, plan.fallback_reason = choose_backend(name, plan)
+    plan.backend, plan.fallback_reason = choose_backend(name, plan, SharedKVKernels)
     plan.backend_name = plan.backend.name
     return plan
 
