@@ -245,8 +245,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Stage-1 tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), per GPU kind (``_common.gpu_kind``).
-# Half-precision dots: by (cache format, more than 16 heads); float32 dots (FMA loops: 16 x 16,
-# one stage): by cache format. Every entry compiles without spills as launched, on sm_90 and
+# Half-precision dots: by (cache format, more than 16 heads); float32 dots (FMA loops: 16 x 16):
+# by cache format. Every entry compiles without spills as launched, on sm_90 and
 # sm_100 ("nvidia") or gfx942 ("amd"): ``python -m openmla.backends.triton.aot``. Not yet tuned
 # by measurement on a GPU.
 _TILE_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
@@ -264,7 +264,16 @@ DECODE_TILES = {
     "amd": {(fmt, wide): (32 if wide else 16, 16, 4, 1) for fmt in CACHE_FORMATS for wide in (False, True)},
 }
 DECODE_TILES_F32 = {
-    gpu: {"native": (16, 16, 4, 1), "fp8_e4m3": (16, 16, 4, 1), "fp8_ds_mla": (16, 16, 8, 1)} for gpu in ("nvidia", "amd")
+    # float32 dots hold q_lat, k_lat and acc (16 x 512 each) in float32: 64 registers apiece per thread on
+    # 4 warps, where sm_90/sm_100 spill 312-368 bytes (compile report, 2026-12-06). On 8 warps:
+    "nvidia": {
+        "native": (16, 16, 8, 2),  # 114-166 regs; 1 stage leaves the dense variants 8-12 spilled bytes at 128 regs
+        "fp8_e4m3": (16, 16, 8, 1),  # 126-128 regs; 2 stages spill 2-5 KB (fp8 tiles in flight plus their widening)
+        "fp8_ds_mla": (16, 16, 8, 1),  # its per-group partial scores need 8 warps at 1 stage too
+    },
+    # gfx942 keeps them in 512 unified VGPRs on 4 waves (an 8-wave work-group caps a wave at 256);
+    # fp8_ds_mla's 3-D group tiles fit 8 waves' 256.
+    "amd": {"native": (16, 16, 4, 1), "fp8_e4m3": (16, 16, 4, 1), "fp8_ds_mla": (16, 16, 8, 1)},
 }
 
 

@@ -132,7 +132,9 @@ def _shared_kv_split_kernel(
 _TILE_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
 SHARED_KV_TILES = {
     "nvidia": {False: (16, 32, 4, 2), True: (32, 32, 8, 2), "float32": (16, 16, 4, 1)},
-    "amd": {False: (16, 16, 4, 1), True: (32, 16, 4, 1), "float32": (16, 16, 4, 1)},
+    # float32 on gfx942: 2 stages. With 1, the window-only variant (COMP none) has 36 scratch bytes (its
+    # SGPR spills find no free VGPR lane); with 2 none has scratch (380-398 VGPRs); 8 waves spill 73-92 VGPRs.
+    "amd": {False: (16, 16, 4, 1), True: (32, 16, 4, 1), "float32": (16, 16, 4, 2)},
 }
 
 
