@@ -256,6 +256,77 @@ def test_own_amx_sparse(own_amx, physical):
     check_own_and_brgemm(own_amx, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
 
 
+# bf16 register tiles (decode_tiles.h: AVX-512-BF16 builds on CPUs without AMX) ----------------
+@pytest.fixture
+def bf16_tiles():
+    ops = hooks()
+    if not ops.set_bf16_tiles(True):
+        pytest.skip("no AVX-512-BF16 build here, or the CPU has AMX (the own AMX kernel runs)")
+    yield ops
+    ops.set_bf16_tiles(True)
+
+
+def check_tiles_and_brgemm(ops, case: Case, q_abs: torch.Tensor, **kw):
+    """Decode on the register tiles (which must run) and on brgemm, each against the reference."""
+    before = ops.bf16_tiles_units()
+    tiles, _ = check_decode(case, q_abs, **kw)
+    assert ops.bf16_tiles_units() > before, "the bf16 register tiles did not run"
+    ops.set_bf16_tiles(False)
+    try:
+        plain, _ = check_decode(case, q_abs, **kw)
+    finally:
+        ops.set_bf16_tiles(True)
+    assert_close(tiles, plain, 1e-2, "tiles vs brgemm", case.seed)
+
+
+@pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
+@pytest.mark.parametrize("page_size,H,new", [(16, 16, [1, 2, 1, 0, 3]), (64, 1, [1, 1, 1, 1, 1]),
+                                             (1, 3, [2, 2, 1, 2, 2]), (256, 20, [1, 4, 1, 1, 2]),
+                                             (64, 128, [1, 1, 2, 1, 1]), (8, 33, [1, 3, 1, 2, 1])])
+def test_bf16_tiles_decode(bf16_tiles, mask, extra, page_size, H, new):
+    """Every blocking the tiles choose by query rows (1-16, 17-32, 33-48, more; heads x tokens),
+    pages in place past NaN rows (blocks that start or end mid-page, odd key counts), short pages
+    through the key buffer, slabs of long pages, split-KV."""
+    case = make_case([0, 1, 37, 300, 611], new, config=small_config(num_heads=H, **TILED), page_size=page_size,
+                     dtype=torch.bfloat16, spare_pages=3)
+    poison_unused_rows(case)
+    q_abs = random_q_abs(case)
+    check_tiles_and_brgemm(bf16_tiles, case, q_abs, mask=mask, **extra)
+    check_tiles_and_brgemm(bf16_tiles, case, q_abs, mask=mask, num_partitions=3, **extra)
+
+
+@pytest.mark.parametrize("L,R", [(48, 16), (70, 20), (512, 64)])
+def test_bf16_tiles_latent_widths(bf16_tiles, L, R):
+    """Latent widths off the 32-column P x V chunks (masked tail columns) and DeepSeek's."""
+    case = make_case([0, 5, 70, 1029], [1, 2, 1, 1], config=small_config(num_heads=16, L=L, R=R), page_size=64,
+                     dtype=torch.bfloat16, spare_pages=2)
+    poison_unused_rows(case)
+    check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16))
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope"])
+def test_bf16_tiles_quantized_caches(bf16_tiles, cache_dtype):
+    case = make_case([0, 200, 64], [2, 1, 5], config=small_config(num_heads=16, **DEEPSEEK), page_size=64,
+                     dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16), num_partitions=2)
+
+
+@pytest.mark.parametrize("physical", [True, False])
+@pytest.mark.parametrize("H", [5, 32])
+def test_bf16_tiles_sparse(bf16_tiles, physical, H):
+    case = make_case([0, 40, 90, 7], [2, 1, 3, 1], config=small_config(num_heads=H, **TILED), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(case.seed + 2)
+    b = case.batch
+    T = sum(b.new_tokens_list)
+    if physical:
+        idx = torch.randint(0, b.num_pages * b.page_size, (T, 41), generator=g)
+    else:
+        seq = torch.repeat_interleave(torch.arange(b.batch_size), torch.tensor(b.new_tokens_list))
+        idx = (torch.rand(T, 41, generator=g) * torch.tensor(b.seq_lens_list)[seq][:, None]).long()
+    idx[torch.rand(T, 41, generator=g) < 0.2] = -1
+    check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
+
+
 # fp8 caches: dense decode dequantises next to the products (decode_reg.h: float32 products on
 # AVX2 + F16C builds), sparse units and bf16 products convert key blocks into a buffer ------------
 FP8_FORMATS = ["fp8_e4m3", "fp8_ds_mla"]

@@ -14,6 +14,7 @@
 
 #include "amx.h"
 #include "decode_reg.h"
+#include "decode_tiles.h"
 #include "operands.h"
 #include "softmax.h"
 
@@ -202,6 +203,7 @@ struct DecodeKernel {
     int64_t M, n_max;
     bool own;       // products on the own AMX micro-kernel
     bool direct;    // P x V reads V rows as they are (amx_pv_direct), O in even/odd chunk order
+    bool tiles;     // products in AVX-512-BF16 register tiles (decode_tiles.h)
     T* QT;          // [D][M] Q^T, the B operand of the score product (VNNI pairs for bf16)
     float* O;       // [M][L] accumulators
     float *ref, *sum;
@@ -227,7 +229,9 @@ struct DecodeKernel {
     }
 #endif
     const bool reg = reg_dequant();
-    const int64_t ldq = reg ? round_up(M, 8) : M;  // the register tiles read whole 8-column vectors of Q^T
+    w.tiles = bf16_tiles(w);
+    // the register tiles read whole 8- (float32) or 16-column (bf16 pairs) vectors of Q^T
+    const int64_t ldq = reg ? round_up(M, 8) : w.tiles ? round_up(M, 16) : M;
     w.QT = scratch<T>(S_QT, D * ldq);
     const T* q = static_cast<const T*>(a.q);
     for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, w.QT, ldq, i * u.nh);
@@ -250,6 +254,9 @@ struct DecodeKernel {
     if (reg) {
       token_ranges(w);
       walk_dense_reg(w, ldq);
+    } else if (w.tiles && !a.sparse) {
+      token_ranges(w);
+      walk_dense_tiles(w);
     } else if (a.sparse) {
       walk_sparse(w);
     } else {
@@ -434,17 +441,108 @@ struct DecodeKernel {
     TORCH_CHECK(false, "openmla cpu: the register-dequantising decode needs an AVX2 + F16C build without AVX-512");
   }
 
+  // Whether this unit's products run in AVX-512-BF16 register tiles: bf16 in a build with
+  // AVX512_BF16, on a CPU without AMX (there the own AMX kernel or brgemm's AMX kernels run).
+  bool bf16_tiles(const Unit& w) const {
+#if defined(OPENMLA_BF16_TILES)
+#if defined(OPENMLA_TEST_HOOKS)
+    if (!bf16_tiles_switch().load(std::memory_order_relaxed)) return false;
+#endif
+    return std::is_same_v<T, BFloat16> && !w.own && !own_amx_supported();
+#else
+    (void)w;
+    return false;
+#endif
+  }
+
+  // One key block on the register tiles: block rows ``rows`` (rows [ra, rb) seen by some query
+  // row, the others ``zero``; the row at rb is set to it when rb is odd), ``n`` rows in the
+  // block: scores, softmax, P x V (P pairs in ``PP``, [n_max / 2 + 1][M]).
+  void tile_products(Unit& w, const T** rows, int64_t ra, int64_t rb, int64_t n, const T* zero, int32_t* PP,
+                     BlockPrefetch pf = {}) const {
+#if defined(OPENMLA_BF16_TILES)
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      const int64_t M = w.M, L = this->L();
+      if (rb & 1) rows[rb] = zero;
+      score_tiles(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M);
+      softmax(w, n);
+      const int64_t j0 = ra & ~int64_t(1), pairs = (round_up(rb, 2) - j0) / 2;
+      pair_probs(w.PT + j0 * M, M, pairs, PP);
+      pv_tiles(rows + j0, pairs, PP, M, w.O, L, L, pf);
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "openmla cpu: the bf16 register tiles need an AVX-512-BF16 build");
+  }
+
+  // The tiles' P pairs (slot S_VPACK: no packed V on the tiles).
+  int32_t* tile_pairs(const Unit& w) const { return scratch<int32_t>(S_VPACK, (w.n_max / 2 + 1) * w.M); }
+
+  // A zero row of D values (scratch slot S_STAGE, which the tiles' walks use for nothing else).
+  const T* tile_zero_row() const {
+    T* z = scratch<T>(S_STAGE, round_up(a.D, 32));
+    zero_fill(z, round_up(a.D, 32) * sizeof(T));
+    return z;
+  }
+
+  // Dense keys in blocks on the register tiles: bf16 pages read in place (the next block's rows
+  // prefetched during this one's P x V), other formats (and short pages) converted into the key
+  // buffer; rows no query row sees point at a zero row.
+  void walk_dense_tiles(Unit& w) const {
+    const DecodeUnit& u = w.u;
+    const int64_t D = a.D;
+#if defined(OPENMLA_TEST_HOOKS)
+    bf16_tiles_units().fetch_add(1, std::memory_order_relaxed);
+#endif
+    const T* zero = tile_zero_row();
+    int32_t* PP = tile_pairs(w);
+    T* keys = plan.inplace ? nullptr : scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
+    const uint8_t** ahead = plan.inplace ? scratch<const uint8_t*>(S_KEYS, w.n_max) : nullptr;
+    const int64_t stored = a.cache.stored_bytes();
+    for (int64_t pos = u.k_lo; pos < u.k_hi;) {
+      const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
+      const int64_t ra = kb.a - kb.base, rb = kb.b - kb.base;
+      for (int64_t r = 0; r < ra; ++r) w.rows[r] = zero;
+      for (int64_t r = rb; r < kb.rows; ++r) w.rows[r] = zero;
+      if (plan.inplace) {
+        for (int64_t r = ra; r < rb; ++r) w.rows[r] = reinterpret_cast<const T*>(a.cache.logical(u.b, kb.base + r));
+      } else {
+        for (int64_t r = ra; r < rb; ++r) {
+          if (r + PACK_AHEAD < rb) prefetch_bytes(a.cache.logical(u.b, kb.base + r + PACK_AHEAD), stored);
+          a.cache.load<T>(a.cache.logical(u.b, kb.base + r), keys + r * D, 0, D);
+          w.rows[r] = keys + r * D;
+        }
+      }
+      block_columns(w, kb);
+      BlockPrefetch pf;
+      if (plan.inplace && kb.b < u.k_hi) {
+        const KeyBlock nb = next_block(plan, a.cache.page_size, kb.b, u.k_hi);
+        pf.rows = ahead;
+        pf.n = nb.b - nb.a;
+        pf.bytes = D * (int64_t)sizeof(T);
+        for (int64_t r = 0; r < pf.n; ++r) ahead[r] = a.cache.logical(u.b, nb.a + r);
+      }
+      tile_products(w, w.rows, ra, rb, kb.rows, zero, PP, pf);
+      pos = kb.b;
+    }
+  }
+
   // Sparse: this token's valid listed keys, compacted, in blocks.
   void walk_sparse(Unit& w) const {
     const DecodeUnit& u = w.u;
     const int64_t D = a.D, b = u.b, t = u.t0;
-    T* Vp = w.direct ? nullptr : scratch<T>(S_VPACK, w.n_max * L());
+    T* Vp = w.direct || w.tiles ? nullptr : scratch<T>(S_VPACK, w.n_max * L());
+    int32_t* PP = w.tiles ? tile_pairs(w) : nullptr;
+    const T* zero = w.tiles ? tile_zero_row() : nullptr;
     T* keys = scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
     const int64_t c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
     const int64_t p = c + (t - a.offsets[b]);
     auto [lo, hi] = a.mask.key_range(p, p, kv_len);
     const int32_t* idx = a.sparse + t * a.sparse_stride;
     int64_t slot = u.k_lo;
+#if defined(OPENMLA_TEST_HOOKS) && defined(OPENMLA_BF16_TILES)
+    if (w.tiles) bf16_tiles_units().fetch_add(1, std::memory_order_relaxed);
+#endif
     while (slot < u.k_hi) {
       int64_t n = 0;
       for (; slot < u.k_hi && n < DECODE_BLOCK; ++slot) {
@@ -464,6 +562,10 @@ struct DecodeKernel {
       if (n == 0) continue;
       std::fill(w.c0, w.c0 + w.M, 0);
       std::fill(w.c1, w.c1 + w.M, (int32_t)n);
+      if (w.tiles) {
+        tile_products(w, w.rows, 0, n, n, zero, PP);
+        continue;
+      }
       mm(w, round_up(n, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
       softmax(w, n);
       if (w.direct) pv_buffer(w, keys, n);

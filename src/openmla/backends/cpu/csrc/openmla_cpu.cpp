@@ -381,6 +381,19 @@ bool set_reg_dequant(bool on) {
 }
 
 int64_t reg_dequant_unit_count() { return reg_dequant_units().load(); }
+
+// Turn decode_tiles.h's bf16 register tiles on or off; returns whether bf16 decode runs on them
+// now (False in builds without AVX512_BF16 and on CPUs with AMX).
+bool set_bf16_tiles(bool on) {
+  bf16_tiles_switch().store(on);
+#if defined(OPENMLA_BF16_TILES)
+  return on && !own_amx_supported();
+#else
+  return false;
+#endif
+}
+
+int64_t bf16_tiles_unit_count() { return bf16_tiles_units().load(); }
 #endif
 
 // Whether brgemm runs bfloat16 with VNNI-packed B on this CPU (oneDNN needs AVX-512).
@@ -437,5 +450,7 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def("own_amx_units() -> int", &openmla::own_amx_unit_count);
   m.def("set_reg_dequant(bool on) -> bool", &openmla::set_reg_dequant);
   m.def("reg_dequant_units() -> int", &openmla::reg_dequant_unit_count);
+  m.def("set_bf16_tiles(bool on) -> bool", &openmla::set_bf16_tiles);
+  m.def("bf16_tiles_units() -> int", &openmla::bf16_tiles_unit_count);
 #endif
 }
