@@ -269,3 +269,39 @@ def test_shared_kv_is_a_registered_protocol():
             choose_backend("no_v4", plan, SharedKVKernels)
     finally:
         del backends._LOADED["no_v4"]
+
+
+# One definition of the dtype sets and the error helper ------------------------------------
+def test_dtype_sets_and_fail_are_defined_once():
+    from openmla import basics, cache, validate
+    from openmla.v4 import plan as v4_plan
+
+    assert validate.FLOAT_DTYPES is basics.FLOAT_DTYPES and cache.NATIVE_DTYPES is basics.FLOAT_DTYPES
+    assert v4_plan.FLOAT_DTYPES is basics.FLOAT_DTYPES
+    assert validate.INDEX_DTYPES is basics.INDEX_DTYPES and cache.INDEX_DTYPES is basics.INDEX_DTYPES
+    assert v4_plan.INDEX_DTYPES is basics.SIGNED_INDEX_DTYPES and torch.uint32 not in basics.SIGNED_INDEX_DTYPES
+    assert validate.STORAGE_DTYPES is cache.STORAGE_DTYPES
+    assert v4_plan._fail is basics.fail and not hasattr(cache, "_fail")
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        for name in ("FLOAT_DTYPES =", "INDEX_DTYPES =", "def _fail("):
+            assert name not in text or path.name == "basics.py", f"{path.relative_to(SRC)} defines {name}"
+
+
+@pytest.mark.parametrize("field", ["q_offsets", "raw.block_table", "raw.lengths", "spec.compressed.indices"])
+def test_v4_refuses_uint32_metadata_by_name(field):
+    """V4's kernels read its tables and lists in place and compare them with -1 and 0, which torch
+    has no uint32 operators for: the plan refuses uint32 there (MLA metadata, copied to int32 by
+    the plan, takes it)."""
+    q, offsets, raw, spec, comp = _v4_case("indices")
+    u32 = lambda t: t.clamp(min=0).to(torch.uint32)  # noqa: E731
+    if field == "q_offsets":
+        offsets = u32(offsets)
+    elif field == "raw.block_table":
+        raw = dataclasses.replace(raw, block_table=u32(raw.block_table))
+    elif field == "raw.lengths":
+        raw = dataclasses.replace(raw, lengths=u32(raw.lengths))
+    else:
+        spec = dataclasses.replace(spec, compressed=CompressedKeys(spec.compressed.rate, u32(spec.compressed.indices)))
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}: expected .*int32/int64"):
+        plan_shared_kv(q, offsets, raw, spec, comp, backend="torch")

@@ -24,7 +24,7 @@ import torch
 from .cache import PagedLatentCache
 from .config import MLAConfig, preset
 from .flops import fused_op_flops, projection_flops
-from .ops import mla_prefill_decode_graph
+from .compat.max import mla_prefill_decode_graph
 from .rope import rope_freqs_cis
 from .timing import matmul_rate, median_time
 

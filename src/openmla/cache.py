@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .basics import FLOAT_DTYPES, INDEX_DTYPES, fail
 from .formats import CACHE_FORMATS, QUANTIZED_FORMATS, RECORDS
 from .fp8 import FP8, quantize_e4m3
 
-# Storage dtypes of a native cache (what every backend computes in), and of metadata tensors.
-NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
+# Storage dtypes of a native cache (what every backend computes in); metadata: basics.INDEX_DTYPES.
+NATIVE_DTYPES = FLOAT_DTYPES
 STORAGE_DTYPES = {"native": NATIVE_DTYPES, "fp8_e4m3": (FP8,), **{name: (torch.uint8,) for name in RECORDS}}
 INT32_MAX = 2**31 - 1  # metadata, positions and physical rows are int32 in the kernels
 
@@ -91,10 +91,6 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
-def _fail(name: str, why: str) -> None:
-    raise ValueError(f"kv_collection.{name}: {why}")
-
-
 def index_tensors_ok(device: torch.device, *fields: tuple[object, int]) -> bool:
     """Every ``(tensor, rank)``: a plain tensor of that rank, an index dtype, on ``device`` (one
     expression each: checked per step, the usual answer is yes)."""
@@ -118,7 +114,7 @@ class Ticket:
 @dataclass
 class HostLists:
     """Host copies of a batch's metadata, read from the device once (planning must not sync per
-    sequence), and the plans the seed-named ops keep for the batch (``openmla.ops``)."""
+    sequence), and the plans the MAX-named ops keep for the batch (``openmla.compat.max``)."""
 
     cache_lengths: list[int] | None = None
     offsets: list[int] | None = None
@@ -137,7 +133,7 @@ class HostLists:
 
 @dataclass
 class CacheBatch:
-    """The view of the cache one forward call works on (the seeds' ``kv_collection``).
+    """The view of the cache one forward call works on (MAX's ``kv_collection``).
 
     - ``blocks``: ``[num_layers, num_pages, page_size, L+R]`` storage (shared, written in place).
     - ``block_table``: int32 ``[B, max_pages]``; entry ``[b, j]`` is the physical page of logical
@@ -170,55 +166,54 @@ class CacheBatch:
 
     def __post_init__(self) -> None:
         """Field checks (host facts only: no device read, no sync)."""
-        fail = _fail
         if not isinstance(self.cache_format, str) or self.cache_format not in CACHE_FORMATS:
-            fail("cache_format", f"expected one of {CACHE_FORMATS}, got {self.cache_format!r}")
+            fail("kv_collection.cache_format", f"expected one of {CACHE_FORMATS}, got {self.cache_format!r}")
         blocks = self.blocks
         if not isinstance(blocks, torch.Tensor) or blocks.dim() != 4:
-            fail("blocks", f"expected a 4-D tensor [num_layers, num_pages, page_size, width], got {_describe(blocks)}")
+            fail("kv_collection.blocks", f"expected a 4-D tensor [num_layers, num_pages, page_size, width], got {_describe(blocks)}")
         if blocks.dtype not in STORAGE_DTYPES[self.cache_format]:
-            fail("blocks", f"a {self.cache_format} cache is stored as one of {[str(d) for d in STORAGE_DTYPES[self.cache_format]]}, "
+            fail("kv_collection.blocks", f"a {self.cache_format} cache is stored as one of {[str(d) for d in STORAGE_DTYPES[self.cache_format]]}, "
                  f"got {blocks.dtype}")
         dev = blocks.device
         if not index_tensors_ok(dev, (self.block_table, 2), (self.cache_lengths, 1), (self.input_row_offsets, 1)):
             self._fail_index_fields(dev)
         B = self.cache_lengths.shape[0]
         if self.block_table.shape[0] != B:
-            fail("block_table", f"{self.block_table.shape[0]} rows for {B} sequences (cache_lengths)")
+            fail("kv_collection.block_table", f"{self.block_table.shape[0]} rows for {B} sequences (cache_lengths)")
         if self.input_row_offsets.shape[0] != B + 1:
-            fail("input_row_offsets", f"{self.input_row_offsets.shape[0]} entries for {B} sequences (expected B+1)")
+            fail("kv_collection.input_row_offsets", f"{self.input_row_offsets.shape[0]} entries for {B} sequences (expected B+1)")
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size != blocks.shape[2]:
-            fail("page_size", f"must be the int blocks.shape[2] = {blocks.shape[2]}, got {self.page_size!r}")
+            fail("kv_collection.page_size", f"must be the int blocks.shape[2] = {blocks.shape[2]}, got {self.page_size!r}")
         if not isinstance(self.seq_ids, tuple) or len(self.seq_ids) not in (0, B):
-            fail("seq_ids", f"expected a tuple of 0 or {B} ids, got {self.seq_ids!r}")
+            fail("kv_collection.seq_ids", f"expected a tuple of 0 or {B} ids, got {self.seq_ids!r}")
         if self.kv_scale is not None or self.cache_format == "fp8_e4m3":
             k = self.kv_scale
             if not isinstance(k, torch.Tensor) or k.dtype != torch.float32 or tuple(k.shape) != (blocks.shape[0],) or k.device != dev:
-                fail("kv_scale", f"expected a float32 [{blocks.shape[0]}] tensor on {dev} (one scale per layer), got {_describe(k)}")
+                fail("kv_collection.kv_scale", f"expected a float32 [{blocks.shape[0]}] tensor on {dev} (one scale per layer), got {_describe(k)}")
         record = RECORDS.get(self.cache_format)
         if self.rope_dim is not None or record is not None:
             R = self.rope_dim
             if isinstance(R, bool) or not isinstance(R, int) or R < 0:
-                fail("rope_dim", f"expected an int >= 0 (the rope width R), got {R!r}")
+                fail("kv_collection.rope_dim", f"expected an int >= 0 (the rope width R), got {R!r}")
             if record is not None and not record.fits(int(blocks.shape[3]), R):
                 why = record.shape_error(record.latent_rank(int(blocks.shape[3]), R), R)
-                fail("rope_dim", f"{R} does not split {blocks.shape[3]}-byte {self.cache_format} records into a latent and "
+                fail("kv_collection.rope_dim", f"{R} does not split {blocks.shape[3]}-byte {self.cache_format} records into a latent and "
                      f"a rope part the format holds{f' ({why[1]})' if why else ''}")
         if self.ticket is not None and not isinstance(self.ticket, Ticket):
-            fail("ticket", f"expected a Ticket from PagedLatentCache.prepare or None, got {type(self.ticket).__name__}")
+            fail("kv_collection.ticket", f"expected a Ticket from PagedLatentCache.prepare or None, got {type(self.ticket).__name__}")
         if not isinstance(self._host, HostLists):
-            fail("_host", f"expected a HostLists, got {type(self._host).__name__}")
+            fail("kv_collection._host", f"expected a HostLists, got {type(self._host).__name__}")
 
     def _fail_index_fields(self, dev: torch.device) -> None:
         """The ValueError naming the first index field that is not an index tensor of its rank on ``dev``."""
         for name, rank in (("block_table", 2), ("cache_lengths", 1), ("input_row_offsets", 1)):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dim() != rank:
-                _fail(name, f"expected a {rank}-D index tensor, got {_describe(t)}")
+                fail(f"kv_collection.{name}", f"expected a {rank}-D index tensor, got {_describe(t)}")
             if t.dtype not in INDEX_DTYPES:
-                _fail(name, f"dtype {t.dtype} is not an index dtype {[str(d) for d in INDEX_DTYPES]}")
+                fail(f"kv_collection.{name}", f"dtype {t.dtype} is not an index dtype {[str(d) for d in INDEX_DTYPES]}")
             if t.device != dev:
-                _fail(name, f"on {t.device}, the blocks are on {dev}")
+                fail(f"kv_collection.{name}", f"on {t.device}, the blocks are on {dev}")
 
     # Host-side copies, computed once: planning code must not sync per sequence.
     @property
@@ -349,10 +344,6 @@ class CacheBatch:
     @property
     def max_new_tokens(self) -> int:
         return max(self.new_tokens_list, default=0)
-
-    def with_offsets(self, input_row_offsets: torch.Tensor) -> "CacheBatch":
-        """The same cache view with another ragged query layout (new host cache)."""
-        return dataclasses.replace(self, input_row_offsets=input_row_offsets, _host=HostLists())
 
     def with_blocks(self, blocks: torch.Tensor) -> "CacheBatch":
         """The same view over other storage of the same shape (a copy of the cache, say)."""

@@ -9,7 +9,7 @@ import torch
 
 from . import reference as ref
 from .masks import MaskVariant
-from .ops import mla_prefill_decode_graph
+from .compat.max import mla_prefill_decode_graph
 from .testing import TOL, make_case, rel_err, small_config
 
 

@@ -67,7 +67,7 @@ class ChunkPlan:
 
     For chunk ``c``: rows ``buffer_row_offsets[c][b]:[c][b+1]`` of its buffer are sequence ``b``'s
     keys, starting at key position ``cache_offsets[c][b]``; ``lengths[c]`` is its row count.
-    Host lists; ``tensors()`` gives the seeds' int32 layout.
+    Host lists; ``tensors()`` gives MAX's int32 layout (``mla_prefill_plan``).
     """
 
     buffer_size: int

@@ -1,4 +1,4 @@
-"""The plan of a seed-named op, kept on its ``CacheBatch`` (sanity checks once per metadata object).
+"""The plan of a MAX-named op (``openmla.compat.max``), kept on its ``CacheBatch`` (checks once per metadata object).
 
 Every layer of a step calls the one-shot ops with the same batch and options; the first call
 validates and plans, the next ones reuse that plan after checking that the batch still holds the

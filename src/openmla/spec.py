@@ -55,8 +55,5 @@ class AttentionSpec:
         sparse = None if sparse_indices is None else SparseSpec(sparse_indices, topk_lengths, physical_indices)
         return cls(float(scale), MaskVariant.parse(mask), sparse, attn_sink)
 
-    def without_sparse(self) -> "AttentionSpec":
-        return dataclasses.replace(self, sparse=None)
-
     def with_sink(self, attn_sink: torch.Tensor | None) -> "AttentionSpec":
         return dataclasses.replace(self, attn_sink=attn_sink)

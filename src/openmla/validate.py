@@ -11,14 +11,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .cache import CacheBatch, HostLists, index_tensors_ok
+from .basics import FLOAT_DTYPES, INDEX_DTYPES
+from .cache import STORAGE_DTYPES, CacheBatch, HostLists, index_tensors_ok
 from .formats import CACHE_FORMATS, RECORDS
 from .fp8 import FP8, dequantize_q
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
 HOST_TABLE_MAX = 1024  # page-table entries read to the host with the lengths (below this, min/max on a list beat an aminmax read)
-STORAGE_DTYPES = {"native": FLOAT_DTYPES, "fp8_e4m3": (FP8,), **{name: (torch.uint8,) for name in RECORDS}}
 
 
 def check_tensor(

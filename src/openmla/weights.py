@@ -65,7 +65,7 @@ class LayerWeights:
 
 def _consistent(g: object, w_k: object, w_uk: object, w_uv: object) -> tuple[int, int, int, int] | None:
     """``(H, L, Dn, Dv)`` when the four are float tensors of one device with matching shapes, else None
-    (one expression: a seed-named op makes a LayerWeights on every layer call)."""
+    (one expression: a MAX-named op makes a LayerWeights on every layer call)."""
     T = torch.Tensor
     if not (isinstance(g, T) and isinstance(w_k, T) and isinstance(w_uk, T) and isinstance(w_uv, T)
             and g.dim() == 1 and w_k.dim() == 2 and w_uk.dim() == 3 and w_uv.dim() == 3):

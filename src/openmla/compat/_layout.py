@@ -43,10 +43,6 @@ class Layout:
     rows: torch.Tensor | None
     num_rows: int
 
-    @property
-    def num_sequences(self) -> int:
-        return int(self.cache_lengths.shape[0])
-
     def batch(self, blocks: torch.Tensor, block_table: torch.Tensor, page_size: int, cache_format: str = "native",
               rope_dim: int | None = None) -> CacheBatch:
         """A ``CacheBatch`` over ``blocks [1, pages, page_size, width]``; ``block_table [B, P]`` is

@@ -20,10 +20,10 @@ import torch
 from .. import dispatch
 from ..backends import choose_backend, resolve_backend_name
 from ..backends.base import Backend, SharedKVKernels
+from ..basics import FLOAT_DTYPES, fail as _fail
+from ..basics import SIGNED_INDEX_DTYPES as INDEX_DTYPES  # read in place, -1 allowed: no uint32 (see openmla.basics)
 from ..shared_kv_spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass
@@ -92,10 +92,6 @@ class SharedKVPlan:
             raise ValueError(f"q: this plan was made for [{self.num_tokens}, {self.num_heads}, {self.spec.entry.width}] on "
                              f"{self.device}, got {tuple(q.shape)} on {q.device}")
         return dispatch.shared_kv(self, q)
-
-
-def _fail(name: str, why: str) -> None:
-    raise ValueError(f"{name}: {why}")
 
 
 def _int_tensor(name: str, t: object, rank: int, device: torch.device) -> None:
