@@ -38,8 +38,9 @@ def unabsorb(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 
 def empty_lse(lse: torch.Tensor) -> torch.Tensor:
-    """True where ``lse`` marks a part without keys: -inf (openmla), +inf (FlashMLA) or NaN."""
-    return ~torch.isfinite(lse)
+    """True where ``lse`` marks a part without keys: -inf (openmla) or +inf (FlashMLA). NaN is not
+    empty: it is a NaN row (docs/api.md's NaN rule)."""
+    return torch.isinf(lse)
 
 
 def merge_states(
@@ -49,21 +50,23 @@ def merge_states(
 
     ``o_* [..., D]`` are each part's normalised output, ``lse_* [...]`` its natural-log
     log-sum-exp. A part without keys may say so with -inf (openmla's convention) or +inf
-    (FlashMLA's); its output is ignored whatever it holds (NaN included). Returns ``(o, lse)`` as
-    if computed over both key sets, in float32 (float64 when an input is float64); a row empty in
-    both gives 0 and -inf.
+    (FlashMLA's); its output is ignored whatever it holds (NaN included). A NaN LSE is a NaN row
+    (docs/api.md's NaN rule) and makes the merged row NaN. Returns ``(o, lse)`` as if computed
+    over both key sets, in float32 (float64 when an input is float64); a row empty in both gives 0
+    and -inf.
     """
     wide = torch.float64 if torch.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
     la, lb = lse_a.to(wide), lse_b.to(wide)
     ea, eb = empty_lse(la), empty_lse(lb)
     la = la.masked_fill(ea, -math.inf)
     lb = lb.masked_fill(eb, -math.inf)
-    m = torch.maximum(la, lb)
-    m_safe = m.masked_fill(ea & eb, 0.0)
+    m = torch.maximum(la, lb)  # NaN from either part propagates
+    empty = ea & eb
+    m_safe = m.masked_fill(empty, 0.0)
     wa, wb = torch.exp(la - m_safe), torch.exp(lb - m_safe)
     denom = wa + wb
-    lse = torch.where(denom > 0, m_safe + torch.log(denom), -math.inf)
-    denom = torch.where(denom > 0, denom, 1.0)
+    lse = torch.where(empty, -math.inf, m_safe + torch.log(denom))
+    denom = torch.where(empty, 1.0, denom)
     part_a = torch.where(ea[..., None], 0.0, o_a.to(wide) * (wa / denom)[..., None])
     part_b = torch.where(eb[..., None], 0.0, o_b.to(wide) * (wb / denom)[..., None])
     return part_a + part_b, lse

@@ -40,8 +40,9 @@ class Case:
 
     @property
     def weights(self) -> LayerWeights:
-        """The case's per-layer constants as ``plan.run`` takes them."""
-        return LayerWeights(self.gamma, self.w_k, self.w_uk, self.w_uv)
+        """The case's per-layer constants as ``plan.run`` takes them (``extras["epsilon"]``, if set,
+        the latent norm's epsilon)."""
+        return LayerWeights(self.gamma, self.w_k, self.w_uk, self.w_uv, epsilon=self.extras.get("epsilon", 1e-6))
 
     def run_args(self) -> tuple:
         """Positional arguments of ``MLAPlan.run``."""
@@ -168,6 +169,20 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, s
     assert err <= tol, f"{what}: rel err {err:.3g} > {tol} (seed {seed})"
 
 
+def assert_close_nan(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, seed: int) -> None:
+    """NaN exactly where ``want`` has NaN (docs/api.md's NaN rule), ``inf`` where it has ``inf``, and
+    the rest within ``tol`` (as ``assert_close``)."""
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), (
+        f"{what}: NaN at {torch.isnan(got).nonzero()[:4].tolist()}, the reference at {torch.isnan(want).nonzero()[:4].tolist()} "
+        f"(seed {seed})")
+    keep = ~torch.isnan(want)
+    assert torch.equal(torch.isinf(got) & keep, torch.isinf(want) & keep), f"{what}: inf entries differ (seed {seed})"
+    fin = keep & ~torch.isinf(want)
+    if fin.any():
+        assert_close(got[fin], want[fin], tol, what, seed)
+
+
 def assert_lse(got: torch.Tensor, want: torch.Tensor, tol: float, seed: int) -> None:
     """-inf exactly where the reference has -inf; elsewhere close (absolute, scaled by max(|lse|, 1))."""
     got, want = got.double(), want.double()
@@ -184,7 +199,10 @@ def assert_lse(got: torch.Tensor, want: torch.Tensor, tol: float, seed: int) -> 
 class Scenario:
     """One random step for ``scenario_case``: ragged lengths (0 and 1 included), page size, dims,
     dtypes, and ``plan`` options. ``sparse``: None, ``"logical"`` or ``"physical"`` top-k lists
-    (5 slots per token, some -1, ``topk_lengths`` cutting the lists); ``sink``: a per-head sink."""
+    (5 slots per token, some -1, ``topk_lengths`` cutting the lists); ``sink``: a per-head sink.
+    ``poison`` (``EDGE_SCENARIOS``): ``"nan-kv"`` a NaN in the latent of the step's first new token,
+    ``"zero-latent"`` that latent all zeros with ``epsilon=0`` (RMSNorm gives 0/0 = NaN),
+    ``"nan-cached"`` a NaN in the cached entry at position 1 of the first sequence."""
 
     name: str
     cache_lens: tuple[int, ...]
@@ -200,6 +218,7 @@ class Scenario:
     options: tuple = ()  # plan options as (name, value) pairs
     sparse: str | None = None
     sink: bool = False
+    poison: str | None = None
 
     @property
     def tol(self) -> float:
@@ -227,6 +246,21 @@ def scenario_case(s: Scenario, seed: int | None = None) -> tuple[Case, dict]:
         idx = torch.where(torch.rand(idx.shape, generator=g) < 0.2, -1, idx).to(torch.int32)
         opts.update(sparse_indices=idx, topk_lengths=torch.full((b.batch_size,), 4, dtype=torch.int32),
                     physical_indices=s.sparse == "physical")
+    if s.poison in ("nan-kv", "zero-latent"):
+        t = 0  # the step's first new token (the first sequence with new tokens)
+        if s.poison == "nan-kv":
+            case.kv[t, 1] = float("nan")
+        else:
+            case.kv[t, : s.L] = 0
+            case.extras["epsilon"] = 0.0
+    elif s.poison == "nan-cached":
+        b = case.batch
+        row = b.physical_rows(torch.tensor([0]), torch.tensor([1]))
+        entry = b.read_rows(case.layer_idx, row, torch.float32)
+        entry[0, 2] = float("nan")
+        b.write_rows(case.layer_idx, row, entry)
+    elif s.poison is not None:
+        raise ValueError(f"poison: unknown {s.poison!r}")
     return case, opts
 
 
@@ -249,4 +283,24 @@ NO_ROPE_SCENARIOS = [
     Scenario("fp8-e4m3-prefill", (9, 0, 5), (8, 7, 0), L=128, cache_dtype="fp8_e4m3"),
     Scenario("bf16-L512-decode", (33, 0, 2), (1, 3, 1), heads=4, L=512, Dn=64, Dv=64, dtype=torch.bfloat16),
     Scenario("bf16-L512-prefill", (3, 0), (7, 8), heads=2, L=512, Dn=64, Dv=64, dtype=torch.bfloat16),
+]
+
+
+# The edges of every cache format and of the NaN rule (issue 34): a NaN reaching the cache through
+# the write (a NaN latent, or an all-zero one with epsilon = 0) must be stored as NaN in every
+# format, and every query that sees a NaN entry gets a NaN output row and a NaN LSE (docs/api.md),
+# split-KV, prefill chunks and sinks included; every other row stays exact.
+EDGE_SCENARIOS = [
+    Scenario("nan-kv-fp8-e4m3-decode", (9, 0, 5), (1, 2, 1), L=128, R=16, cache_dtype="fp8_e4m3", poison="nan-kv"),
+    Scenario("nan-kv-fp8-ds-mla-decode", (9, 4), (1, 1), L=128, R=16, cache_dtype="fp8_ds_mla", poison="nan-kv"),
+    Scenario("zero-latent-fp8-ds-mla-prefill", (3, 6), (7, 2), L=128, R=16, cache_dtype="fp8_ds_mla", poison="zero-latent"),
+    Scenario("zero-latent-fp8-e4m3-split", (12, 3), (1, 1), L=128, R=16, cache_dtype="fp8_e4m3", poison="zero-latent",
+             options=(("num_partitions", 3),)),
+    Scenario("nan-kv-nvfp4-decode", (5, 2), (1, 1), heads=2, L=512, R=64, Dn=16, Dv=16, cache_dtype="nvfp4_ds_mla",
+             poison="nan-kv"),
+    Scenario("nan-cached-f32-decode-split-sink", (20, 5), (1, 1), R=16, poison="nan-cached", options=(("num_partitions", 3),),
+             sink=True),
+    Scenario("nan-cached-bf16-decode", (20, 5), (1, 1), R=16, dtype=torch.bfloat16, poison="nan-cached"),
+    Scenario("nan-cached-f32-prefill-chunks", (6, 3), (9, 4), R=16, poison="nan-cached", options=(("buffer_size", 8),)),
+    Scenario("nan-cached-bf16-prefill-sink", (6, 3), (9, 4), R=16, dtype=torch.bfloat16, poison="nan-cached", sink=True),
 ]

@@ -10,8 +10,11 @@ columns, so one gathered key block serves both ``Q K^T`` and ``P V``.
 - sparse: groups of query tokens, each against its own listed keys (``spec.sparse``), batched
   with ``matmul``, through the same online softmax.
 
-Matmuls run in the inputs' dtype (bf16 GEMMs accumulate in float32); scores, softmax sums and
-the running output are float32 (float64 for float64 inputs). Memory stays one block of scores
+Scores, softmax sums and the running output are float32 (float64 for float64 inputs): a bf16 or
+fp8 query and a bf16 / quantised cache are multiplied as float32 (``score_dtype``), since a
+torch GEMM on bf16 operands returns bf16 and rounding scores there costs ~2^-9 |score| before
+the exponential. P x V reads a 16-bit cache's stored rows (a bf16 GEMM added into the float32
+accumulator: its rounding is not amplified). Memory stays one block of scores
 and one gathered key block whatever the context (fp8 caches are dequantised block by block by
 ``CacheBatch.read_pages`` / ``read_rows``).
 
@@ -77,10 +80,12 @@ class OnlineSoftmax:
         m.copy_(m_new)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out = acc / den`` and the natural-log ``lse = m + log(den)``; rows without keys give 0 and -inf."""
-        seen = self.den > 0
-        out = self.acc / torch.where(seen, self.den, 1.0).unsqueeze(-1)
-        lse = torch.where(seen, self.m + torch.log(self.den), -math.inf)
+        """``out = acc / den`` and the natural-log ``lse = m + log(den)``; rows without keys give 0
+        and -inf. A NaN or +inf score made ``m`` or ``den`` NaN for good: that row's out and LSE
+        are NaN (docs/api.md's NaN rule)."""
+        empty = self.den == 0
+        out = self.acc / torch.where(empty, 1.0, self.den).unsqueeze(-1)
+        lse = torch.where(empty, -math.inf, self.m + torch.log(self.den))
         return out, lse
 
 
@@ -111,23 +116,35 @@ def _merge(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tens
 
 
 # Dense: every visible key of the sequence ---------------------------------------------------
-def _page_keys(plan: "PlanView", layer_idx: int, b: int, k0: int, k1: int, dtype: torch.dtype) -> torch.Tensor:
-    """Keys ``[k1-k0, L+R]`` at positions ``k0..k1-1`` of sequence ``b``, gathered page by page."""
+def _page_keys(plan: "PlanView", layer_idx: int, b: int, k0: int, k1: int, dtype: torch.dtype,
+               values_stored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[k1-k0, L+R]`` at positions ``k0..k1-1`` of sequence ``b``, gathered page by page, in
+    ``dtype`` (the score product's), and the same rows as the P x V product reads them: with
+    ``values_stored``, a 16-bit cache's stored rows (a bf16 GEMM into the float32 accumulator, for
+    a bf16 query), else the same tensor."""
     batch, ps = plan.batch, plan.batch.page_size
     first, last = k0 // ps, (k1 - 1) // ps
     table = batch.block_table[b, first : last + 1]
     layer = batch.blocks[layer_idx]
-    if batch.is_native and layer.dtype == dtype:
-        # Into a reused buffer: a fresh multi-MB tensor costs a page fault per 4 KiB (2x the copy).
-        pages = workspace.scratch("torch.keys", (last + 1 - first, *layer.shape[1:]), dtype, layer.device)
-        torch.index_select(layer, 0, table.long(), out=pages)
+    stored = None
+    if batch.is_native:
+        # Into reused buffers: a fresh multi-MB tensor costs a page fault per 4 KiB (2x the copy).
+        shape = (last + 1 - first, *layer.shape[1:])
+        pages = workspace.scratch("torch.keys", shape, dtype, layer.device)
+        if layer.dtype == dtype:
+            torch.index_select(layer, 0, table.long(), out=pages)
+        else:  # a 16-bit cache widened to the score dtype
+            stored = workspace.scratch("torch.keys_stored", shape, layer.dtype, layer.device)
+            pages.copy_(torch.index_select(layer, 0, table.long(), out=stored))
     else:
         pages = batch.read_pages(layer_idx, table, dtype)  # fp8 formats dequantised here, a block at a time
-    return pages.view(-1, pages.shape[-1])[k0 - first * ps : k1 - first * ps]
+    rows = slice(k0 - first * ps, k1 - first * ps)
+    keys = pages.view(-1, pages.shape[-1])[rows]
+    return keys, (stored.view(-1, pages.shape[-1])[rows] if values_stored and stored is not None else keys)
 
 
 def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSpec", L: int, stat: torch.dtype,
-           out: torch.Tensor, lse: torch.Tensor) -> None:
+           out: torch.Tensor, lse: torch.Tensor, values_stored: bool = False) -> None:
     T, H, D = q.shape
     mask, scale, device = spec.mask, spec.scale, q.device
     batch = plan.batch
@@ -139,6 +156,7 @@ def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSp
             r1 = min(r0 + max_tokens, offsets[b + 1])
             p_lo, p_hi = c + r0 - offsets[b], c + r1 - 1 - offsets[b]  # their positions
             q_rows = q[r0:r1].reshape(-1, D)  # [tokens*H, D], token-major
+            q_t = q_rows.t().contiguous()  # [D, tokens*H]: a float32 GEMM takes a packed B ~2x faster than a transposed view
             q_pos = torch.arange(p_lo, p_hi + 1, device=device)
             lo, hi = mask.key_range(p_lo, p_hi, kv_len)
             full_lo, full_hi = fully_visible(mask, p_lo, p_hi, kv_len)
@@ -148,13 +166,13 @@ def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSp
                 state = OnlineSoftmax((q_rows.shape[0],), L, stat, device)
                 for k0 in range(k_lo, k_hi, block):
                     k1 = min(k0 + block, k_hi)
-                    keys = _page_keys(plan, layer_idx, b, k0, k1, q.dtype)
+                    keys, vals = _page_keys(plan, layer_idx, b, k0, k1, q.dtype, values_stored)
                     # keys @ q^T, transposed back: ~1.3x faster than q @ keys^T at few query rows (M = 16)
-                    s = torch.mm(keys, q_rows.t()).t().contiguous().to(stat).mul_(scale)
+                    s = torch.mm(keys, q_t).t().contiguous().to(stat).mul_(scale)
                     if not (full_lo <= k0 and k1 <= full_hi):  # some query of the chunk cannot see some key
                         visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                         s.view(r1 - r0, H, k1 - k0).masked_fill_(~visible[:, None, :], -math.inf)
-                    state.add(s, keys[:, :L])
+                    state.add(s, vals[:, :L])
                 results.append(state.result())
             o, o_lse = _merge(results)
             out[r0:r1] = o.view(r1 - r0, H, L)
@@ -199,9 +217,10 @@ def _sparse(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionS
 
 
 # Entry point ------------------------------------------------------------------------------------
-def _matmul_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    dtype = torch.promote_types(q_dtype, cache_dtype)
-    return torch.float32 if dtype == torch.float16 else dtype  # fp16 scores of wide rows can overflow; the CPU has no fast fp16 GEMM
+def score_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The products' dtype: float64 when either side is float64, else float32 (a bf16 or fp16 GEMM
+    rounds its output, the scores, to 16 bits; torch has no bf16 x bf16 -> float32 GEMM on the CPU)."""
+    return torch.float64 if torch.float64 in (q_dtype, cache_dtype) else torch.float32
 
 
 @torch.no_grad()
@@ -217,12 +236,18 @@ def decode(
     """
     T, H, _ = q_abs.shape
     device = q_abs.device
-    mm_dtype = _matmul_dtype(q_abs.dtype, plan.batch.compute_dtype)
+    mm_dtype = score_dtype(q_abs.dtype, plan.batch.compute_dtype)
     stat = torch.float64 if mm_dtype == torch.float64 else torch.float32
     q = q_abs.to(mm_dtype).contiguous()
     out = _alloc((T, H, kv_lora_rank), stat, device)
     lse = _alloc((T, H), stat, device)
-    (_dense if spec.sparse is None else _sparse)(plan, layer_idx, q, spec, kv_lora_rank, stat, out, lse)
+    if spec.sparse is None:
+        # bf16 query and cache: P x V on the stored rows (the bf16 GEMM the inputs' dtype promised),
+        # only the scores widened; a wider query keeps float32 values.
+        both_bf16 = q_abs.dtype == plan.batch.compute_dtype == torch.bfloat16 and plan.batch.is_native
+        _dense(plan, layer_idx, q, spec, kv_lora_rank, stat, out, lse, both_bf16)
+    else:
+        _sparse(plan, layer_idx, q, spec, kv_lora_rank, stat, out, lse)
     if spec.attn_sink is not None:
         apply_sink(out, lse, spec.attn_sink, plan.token_seq.to(device))
     return out.to(q_abs.dtype), lse.float()

@@ -9,7 +9,9 @@ the same for one chunk whose keys and values come up-projected.
 Attention runs per sequence, per block of ``block_m`` queries, over the key blocks of
 ``block_n`` keys its mask can show (``MaskVariant.key_range``), with heads as the batch dim of
 every ``bmm``; ``MaskVariant.visible`` masks only blocks that some query of the block cannot
-fully see. One ``OnlineSoftmax`` (decode.py) holds the running max, sum and output of every
+fully see. Scores are float32 (float64 for float64 inputs) whatever q's dtype: queries and keys
+enter the score product in ``stat_dtype`` (a bf16 ``bmm`` would return bf16 scores); P x V runs in
+the inputs' dtype into the float32 accumulator. One ``OnlineSoftmax`` (decode.py) holds the running max, sum and output of every
 query row in float32 (float64 for float64 inputs) across blocks and chunks, so memory stays one
 chunk's keys and one block of scores whatever the context length.
 
@@ -112,10 +114,11 @@ def _cache_entries(batch: "CacheBatch", layer_idx: int, spans: list[Span], dtype
     return batch.read_rows(layer_idx, batch.physical_rows(seq, pos), dtype)
 
 
-def _head_major_keys(k_nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Keys ``[H, S, Dn+R]``: per-head ``k_nope [S, H, Dn]`` next to the shared ``rope [S, R]``."""
+def _head_major_keys(k_nope: torch.Tensor, rope: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys ``[H, S, Dn+R]`` in ``dtype`` (the score product's): per-head ``k_nope [S, H, Dn]`` next
+    to the shared ``rope [S, R]``."""
     S, H, Dn = k_nope.shape
-    k = _alloc((H, S, Dn + rope.shape[1]), k_nope.dtype, k_nope.device)
+    k = _alloc((H, S, Dn + rope.shape[1]), dtype, k_nope.device)
     k[:, :, :Dn] = k_nope.transpose(0, 1)
     k[:, :, Dn:] = rope
     return k
@@ -123,8 +126,8 @@ def _head_major_keys(k_nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 def _attend(state: OnlineSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[Span],
             mask: MaskVariant, scale: float, block_m: int, block_n: int) -> None:
-    """Fold one chunk into ``state``: queries ``q [H, T, Dq]``, the chunk's compacted keys
-    ``k [H, S, Dq]`` and values ``v [H, S, Dv]``."""
+    """Fold one chunk into ``state``: queries ``q [H, T, Dq]`` and the chunk's compacted keys
+    ``k [H, S, Dq]`` in the state's dtype (float32 scores), values ``v [H, S, Dv]``."""
     device = q.device
     for sp in spans:
         for r0 in range(sp.q0, sp.q1, block_m):
@@ -137,7 +140,7 @@ def _attend(state: OnlineSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             for k0 in range(lo, hi, block_n):
                 k1 = min(k0 + block_n, hi)
                 j0, j1 = sp.row + k0 - sp.k_lo, sp.row + k1 - sp.k_lo  # rows of the compacted keys
-                s = torch.bmm(q[:, r0:r1], k[:, j0:j1].transpose(1, 2)).to(state.m.dtype).mul_(scale)  # [H, m, n]
+                s = torch.bmm(q[:, r0:r1], k[:, j0:j1].transpose(1, 2)).mul_(scale)  # [H, m, n] in the state's dtype
                 if not (full_lo <= k0 and k1 <= full_hi):  # some query of the block cannot see some key
                     visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                     s.masked_fill_(~visible, -math.inf)
@@ -182,10 +185,11 @@ def flare_mla_prefill(
     if spans:
         rows = torch.cat([torch.arange(s.buffer_row, s.buffer_row + s.k_hi - s.k_lo, device=k.device) for s in spans])
         rope = _cache_entries(batch, layer_idx, spans, dtype)[:, batch.head_dim - (Dq - Dn):]  # the R rope columns (R may be 0)
-        keys = _head_major_keys(k.index_select(0, rows).to(dtype), rope)
+        score = stat_dtype(dtype)
+        keys = _head_major_keys(k.index_select(0, rows).to(dtype), rope, score)
         values = v.index_select(0, rows).to(dtype).transpose(0, 1).contiguous()
         block_m, block_n = pick_tiles(tile, H)
-        _attend(state, q.transpose(0, 1).contiguous(), keys, values, spans, mask, spec.scale, block_m, block_n)
+        _attend(state, q.transpose(0, 1).to(score).contiguous(), keys, values, spans, mask, spec.scale, block_m, block_n)
     return _output(state, dtype, None, plan.token_seq)
 
 
@@ -208,7 +212,8 @@ def prefill(
     dtype = q_rot.dtype
     state = OnlineSoftmax((H, T), Dv, stat_dtype(dtype), q_rot.device)
     if T and plan.max_position:
-        q = q_rot.transpose(0, 1).contiguous()  # [H, T, Dq]: heads are the batch dim of every bmm
+        score = stat_dtype(dtype)
+        q = q_rot.transpose(0, 1).to(score).contiguous()  # [H, T, Dq]: heads are the batch dim of every bmm
         w_k, w_v = w_k.to(dtype), w_uv.reshape(H * Dv, L).to(dtype)
         block_m, block_n = pick_tiles(tile, H)
         chunks = plan.chunks(plan.buffer_size or default_buffer_size(H, Dq, Dv, L, dtype))
@@ -219,7 +224,7 @@ def prefill(
             entries = _cache_entries(batch, layer_idx, spans, dtype)  # [S, L+R]
             latent = entries[:, :L]
             S = latent.shape[0]
-            keys = _head_major_keys(torch.mm(latent, w_k.t()).view(S, H, Dn), entries[:, L:])
+            keys = _head_major_keys(torch.mm(latent, w_k.t()).view(S, H, Dn), entries[:, L:], score)
             values = torch.mm(latent, w_v.t()).view(S, H, Dv).transpose(0, 1).contiguous()
             _attend(state, q, keys, values, spans, mask, spec.scale, block_m, block_n)
             del entries, keys, values  # the next chunk's take their place

@@ -254,6 +254,7 @@ def _e4m3_by_hand(x):
     sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
     code = tl.where(a < 0.015625, sub, normal)
     code = tl.minimum(code, 0x7E)  # 448 stays 448 (0x7F is NaN)
+    code = tl.where(a != a, 0x7F, code)  # NaN stays NaN (as the GPU's cvt)
     return (code | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
@@ -279,9 +280,9 @@ def cast_to(x, dtype: tl.constexpr):
 @triton.jit
 def quantize_e4m3(x, scale):
     """float32 ``x / scale`` (IEEE division, as torch divides) saturated to +-448, as float8_e4m3fn:
-    the same bytes as ``openmla.fp8.quantize_e4m3``."""
+    the same bytes as ``openmla.fp8.quantize_e4m3`` (a NaN stays NaN: tl.maximum drops it)."""
     y = tl.math.div_rn(x, scale)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C))
     return cast_to(y, tl.float8e4nv)
 
 
@@ -299,6 +300,7 @@ def online_softmax_step(s, m_i, l_i):
 
 @triton.jit
 def natural_lse(m2, denom):
-    """Natural-log LSE from a base-2 running max ``m2`` and its sum ``denom`` (``-inf`` when 0)."""
-    has_key = denom > 0
-    return tl.where(has_key, (m2 + tl.log2(tl.where(has_key, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+    """Natural-log LSE from a base-2 running max ``m2`` and its sum ``denom`` (``-inf`` when 0; NaN
+    when a NaN or +inf score made the sum NaN: docs/api.md's NaN rule)."""
+    empty = denom == 0
+    return tl.where(empty, float("-inf"), (m2 + tl.log2(tl.where(empty, 1.0, denom))) * 0.6931471805599453)

@@ -11,7 +11,8 @@
 Absorption and the output projection are ``openmla.combine``'s ``torch.bmm`` (cuBLAS on GPU);
 sparse prefill reaches ``decode`` through the plan (the absorbed form, the same math).
 
-Float64 inputs are computed in float32 (the kernels' accumulation type).
+Float64 inputs are computed in float32 (the kernels' accumulation type); a float64 DeepSeek-V4
+step is declined (``supports_shared_kv``: ``ValueError``, no fallback), never computed in float32.
 
 FP8 caches (``cache_formats``): the cache-write kernel quantises (fp8_e4m3: one float32 scale
 per layer; fp8_ds_mla: DeepSeek-V3.2's 656-byte record), decode and the prefill kernel's rope
@@ -22,6 +23,8 @@ read dequantise in registers, and the prefill's latent gather dequantises with
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from ..base import FP8_FORMATS, Backend
 from . import _common
@@ -88,6 +91,8 @@ class TritonBackend(Backend):
     def supports_shared_kv(self, plan):
         if plan.device.type == "cpu" and not _common.INTERPRET:
             return "it runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 set before triton is first imported"
+        if plan.raw.blocks.dtype == torch.float64:  # never float64 computed in float32 (docs/v4.md)
+            return "q and raw.blocks are float64 and its V4 kernel computes in float32; plan with backend='torch' or 'reference'"
         return True
 
     def shared_kv_attention(self, plan, q):

@@ -160,7 +160,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), k_lat, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, out stays 0
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]  # no key: acc is 0, out stays 0 (a NaN sum: NaN)
     if KV_SCALED:
         out = out * kv_scale
     lse = natural_lse(m_i, l_i)
@@ -230,7 +230,7 @@ def _decode_split_ds_mla_kernel(
         acc = acc * alpha[None, :, None] + tl.dot(p_g, k_lat, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :, None]  # no key: acc is 0, out stays 0
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[None, :, None]  # no key: acc is 0, out stays 0 (a NaN sum: NaN)
     lse = natural_lse(m_i, l_i)
     part = split.to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
     tl.store(o_part_ptr + part + heads[None, :, None] * stride_ph + col, out,

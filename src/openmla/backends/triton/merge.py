@@ -56,7 +56,8 @@ def _merge_kernel(
         denom += w
         lse_ptr += stride_ls
         o_ptr += stride_ps
-    lse = tl.where(denom > 0, m_ref + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+    # A NaN part LSE (a NaN row, docs/api.md) makes its weight and so ``denom`` NaN: NaN out and LSE.
+    lse = tl.where(denom == 0, float("-inf"), m_ref + tl.log(tl.where(denom == 0, 1.0, denom)))
 
     if HAS_SINK:
         if SINK_PER_SEQ:
@@ -65,7 +66,7 @@ def _merge_kernel(
         else:
             sink = tl.load(sink_ptr + h)
         denom += tl.exp(sink - m_ref)
-    out = acc / tl.where(denom > 0, denom, 1.0)
+    out = acc / tl.where(denom == 0, 1.0, denom)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, cast_to(out, out_ptr.dtype.element_ty), mask=d_ok)
     tl.store(lse_out_ptr + t.to(tl.int64) * stride_lo + h, lse)
 

@@ -113,7 +113,7 @@ def _flare_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, out stays 0
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]  # no key: acc is 0, out stays 0 (a NaN sum: NaN)
     lse = natural_lse(m_i, l_i)
     rows_out = (q_start + i).to(tl.int64)
     tl.store(o_ptr + rows_out[:, None] * stride_ot + h * stride_oh + dv[None, :], cast_to(out, o_ptr.dtype.element_ty),

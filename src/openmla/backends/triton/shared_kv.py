@@ -117,7 +117,7 @@ def _shared_kv_split_kernel(
             m_i, l_i, acc = _attend_tile(q, keys, valid, m_i, l_i, acc, sm_scale_log2, DOT_T, PRECISION)
 
     # Step 5: this slice's normalised output and LSE (no key: zeros, -inf).
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
     lse = natural_lse(m_i, l_i)
     part = split.to(tl.int64) * stride_ps + t.to(tl.int64) * stride_pt
     tl.store(o_part_ptr + part + heads[:, None] * stride_ph + d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])

@@ -3,7 +3,8 @@
 //
 // The entry is computed in float64 (as the float64 reference) and rounded once to the cache
 // type; fp8_e4m3 stores round(float32(entry) / kv_scale), fp8_ds_mla quantises each group of
-// 128 latent values by its amax / 448 and keeps the rope part in bfloat16 (openmla.fp8); the
+// 128 latent values by its amax / 448 and keeps the rope part in bfloat16 (openmla.fp8), a NaN
+// stored as the e4m3 NaN byte, byte for byte as the torch writer (docs/fp8.md); the
 // NVFP4 records quantise the float32 entry as openmla.nvfp4 does (store_nvfp4).
 // q's rope part is rotated in float32.
 #pragma once
@@ -55,13 +56,13 @@ inline void store_any(at::ScalarType t, void* dst, int64_t i, const float* src, 
   }
 }
 
+// float -> e4m3 byte as openmla.fp8.quantize_e4m3 (torch's clamp, then its conversion): nearest
+// even, saturating at +-448, NaN kept as the NaN byte (0x7F / 0xFF). std::min/max would turn a
+// NaN into -448 (their comparisons are false for NaN), so NaN goes straight to the conversion.
 inline uint8_t fp8_bits(float x) {
-  const float c = std::min(FP8_MAX, std::max(-FP8_MAX, x));
-  return c10::Float8_e4m3fn(c).x;
+  if (std::isnan(x)) return c10::Float8_e4m3fn(x).x;
+  return c10::Float8_e4m3fn(std::min(FP8_MAX, std::max(-FP8_MAX, x))).x;
 }
-
-// float -> e4m3 byte as torch converts: nearest even, saturating at +-448, NaN kept.
-inline uint8_t fp8_bits_nan(float x) { return std::isnan(x) ? c10::Float8_e4m3fn(x).x : fp8_bits(x); }
 
 // float -> e2m1 code: nearest, ties to the even code, saturating at +-6, the sign bit kept (-0.1
 // -> 8); NaN -> 0 or 8 (openmla.nvfp4.e2m1_encode: its midpoint comparisons, one per code step).
@@ -110,7 +111,7 @@ struct CacheWriter {
       std::memset(dst + NV_DS_SCALES + NV_GROUPS, 0, NV_DS_ROPE - NV_DS_SCALES - NV_GROUPS);
       convert_row(x + NV_LATENT, reinterpret_cast<BFloat16*>(dst + NV_DS_ROPE), NV_ROPE);
     } else {
-      for (int64_t j = 0; j < NV_ROPE; ++j) dst[NV_FR_ROPE + j] = fp8_bits_nan(x[NV_LATENT + j]);
+      for (int64_t j = 0; j < NV_ROPE; ++j) dst[NV_FR_ROPE + j] = fp8_bits(x[NV_LATENT + j]);
     }
   }
 
@@ -176,9 +177,15 @@ struct CacheWriter {
       case FMT_NVFP4_FP8ROPE: store_nvfp4(dst, tmp); break;
       default: {  // fp8_ds_mla
         for (int64_t g = 0; g < L / DS_GROUP; ++g) {
+          // openmla.fp8.pack_ds_mla's scale: amax / 448, or 1 for an all-zero group and (its NaN
+          // amax failing ``amax > 0``) for a group holding a NaN, whose NaN values stay NaN.
           float amax = 0.f;
-          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) amax = std::max(amax, std::fabs(tmp[j]));
-          const float scale = amax > 0.f ? amax / FP8_MAX : 1.f;
+          bool nan = false;
+          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) {
+            nan |= std::isnan(tmp[j]);
+            amax = std::max(amax, std::fabs(tmp[j]));
+          }
+          const float scale = amax > 0.f && !nan ? amax / FP8_MAX : 1.f;
           for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) dst[j] = fp8_bits(tmp[j] / scale);
           std::memcpy(dst + L + 4 * g, &scale, 4);
         }

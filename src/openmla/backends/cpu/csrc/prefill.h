@@ -140,11 +140,16 @@ struct PrefillKernel {
     }
     float* so = a.state_o + row * Dv;
     float &sref = a.state_ref[row], &ssum = a.state_sum[row];
+    // A non-finite sum (softmax.h's NaN rule: a NaN or +inf score) makes the running sum NaN for
+    // good: finish_row then writes a NaN row and LSE.
     if (a.first) {
       if (sum > 0.f) std::memcpy(so, O, Dv * sizeof(float));
       else zero_fill(so, Dv * sizeof(float));
       sref = sum > 0.f ? ref : NEG_INF;
-      ssum = sum;
+      ssum = std::isfinite(sum) ? sum : NAN_F;
+    } else if (std::isnan(ssum)) {
+    } else if (!std::isfinite(sum)) {
+      ssum = NAN_F;
     } else if (sum > 0.f) {
       if (!(ssum > 0.f)) {
         std::memcpy(so, O, Dv * sizeof(float));

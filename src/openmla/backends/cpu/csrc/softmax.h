@@ -12,20 +12,28 @@ namespace openmla {
 // rescaled rarely and the P x V product adds straight into it.
 constexpr float RESCALE_MARGIN = 8.f;
 
-// Lane-wise max without NaN propagation (scores are finite or -inf).
-inline fVec fast_max(const fVec& a, const fVec& b) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return fVec(_mm512_max_ps(a, b));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return fVec(_mm256_max_ps(a, b));
-#else
-  return at::vec::maximum(a, b);
-#endif
-}
+// The NaN rule (docs/api.md): a visible score that is NaN or +inf (a NaN or infinite value in q
+// or in a key the row sees) makes the row's output and LSE NaN, as the float64 reference's
+// max-then-exp does. The maxima below propagate NaN, a row whose block max is NaN or +inf gets a
+// NaN ``sum`` (kept through every later block: sums only add and scale), and ``finish_row`` /
+// ``merge_parts`` turn a non-finite sum or a NaN part LSE into a NaN row.
+constexpr float POS_INF = std::numeric_limits<float>::infinity();
+constexpr float NAN_F = std::numeric_limits<float>::quiet_NaN();
+
+// Lane-wise max that propagates NaN from either operand (at::vec::maximum: max, unordered
+// compare, or).
+inline fVec fast_max(const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }
 
 inline float reduce_max(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return fast_max(x, y); }, v);
 }
+
+// Scalar max / min that keep a NaN of either side (std::max / std::min drop a NaN second argument).
+inline float nan_max(float a, float b) { return std::isnan(b) ? b : std::max(a, b); }
+inline float nan_min(float a, float b) { return std::isnan(b) ? b : std::min(a, b); }
+
+// Whether a block max poisons its row: NaN or +inf (exp(s - max) would be NaN for that score).
+inline bool poisons(float mx) { return !(mx < POS_INF); }
 
 inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
@@ -79,8 +87,13 @@ void softmax_block(const float* S, int64_t lds, int64_t M, int64_t n_pad, const 
     int64_t j = a;
     for (; j + VL <= b; j += VL) vext = pos ? fast_max(vext, fVec::loadu(s + j)) : at::vec::minimum(vext, fVec::loadu(s + j));
     float ext = pos ? reduce_max(vext) : -reduce_max(fVec(0.f) - vext);
-    for (; j < b; ++j) ext = pos ? std::max(ext, s[j]) : std::min(ext, s[j]);
+    for (; j < b; ++j) ext = pos ? nan_max(ext, s[j]) : nan_min(ext, s[j]);
     const float mx = ext * scale;
+    if (poisons(mx)) {  // a NaN or +inf score: the row is NaN (the NaN rule above)
+      sum[m] = NAN_F;
+      zero_fill(p, n_pad * sizeof(T));
+      continue;
+    }
     if (!(mx > NEG_INF)) {  // only -inf scores
       zero_fill(p, n_pad * sizeof(T));
       continue;
@@ -160,7 +173,12 @@ void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, 
     }
     vmax.store(bm);
     for (int64_t m = c; m < c + w; ++m) {
-      if (lo[m] < hi[m]) raise_reference(bm[m - c], ref[m], sum[m], O + m * ldo, Dv);
+      if (lo[m] >= hi[m]) continue;
+      if (poisons(bm[m - c])) {
+        sum[m] = NAN_F;  // the row is NaN (the NaN rule above); its probabilities below are never read
+      } else {
+        raise_reference(bm[m - c], ref[m], sum[m], O + m * ldo, Dv);
+      }
     }
     const fVec vref = fVec::loadu(ref + c, w);
     fVec vsum = vzero;
@@ -188,9 +206,14 @@ void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, 
 
 // Finished row: out = O / sum * out_scale (zeros when nothing was seen), lse = ref + log(sum)
 // (-inf then), and with a sink logit (not NaN) out *= 1 / (1 + e^(sink - lse)); the LSE leaves
-// it out.
+// it out. A non-finite sum (the NaN rule above) gives a NaN row and a NaN LSE.
 template <typename OutT>
 void finish_row(const float* O, int64_t Dv, float ref, float sum, float sink, OutT* out, float* lse, float out_scale = 1.f) {
+  if (!std::isfinite(sum)) {
+    std::fill(out, out + Dv, static_cast<OutT>(NAN_F));
+    *lse = NAN_F;
+    return;
+  }
   if (!(sum > 0.f)) {
     zero_fill(out, Dv * sizeof(OutT));
     *lse = NEG_INF;
@@ -213,12 +236,14 @@ void finish_row(const float* O, int64_t Dv, float ref, float sum, float sink, Ou
 }
 
 // Merge of normalised partial results over disjoint key sets: o = sum_p w_p o_p / sum_p w_p,
-// w_p = e^(lse_p - max), lse = max + log(sum_p w_p); all-empty rows give zeros and -inf.
+// w_p = e^(lse_p - max), lse = max + log(sum_p w_p); all-empty rows give zeros and -inf, a NaN
+// part (the NaN rule above) a NaN sum.
 // Leaves the merged row in ``acc`` (unnormalised: returns (ref, sum) with acc = o * sum).
 inline std::pair<float, float> merge_parts(const float* const* o, const float* lse, int64_t parts, int64_t Dv, float* acc) {
   float mx = NEG_INF;
-  for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, lse[p]);
+  for (int64_t p = 0; p < parts; ++p) mx = nan_max(mx, lse[p]);
   zero_fill(acc, Dv * sizeof(float));
+  if (std::isnan(mx)) return {NAN_F, NAN_F};
   if (!(mx > NEG_INF)) return {NEG_INF, 0.f};
   float total = 0.f;
   for (int64_t p = 0; p < parts; ++p) {
