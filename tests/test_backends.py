@@ -184,3 +184,52 @@ def test_merge_states_keeps_a_nan_row():
     assert torch.isnan(out[0, 1]).all() and torch.isnan(out[1]).all() and not torch.isnan(out[0, 0]).any()
     torch.testing.assert_close(out[2], o[2])
     torch.testing.assert_close(merged[2], lse[2])
+
+
+# Reduced-precision queries (issue 34 item 2): scores are float32 ----------------------------------
+def _one_hot_weights(case) -> None:
+    """W_UK and W_UV that pick latent coordinates: the up-projected keys and values are the stored
+    bf16 values themselves (no rounding), so a prefill's products are exact in float32 too."""
+    H, L, Dn, Dv = case.config.num_heads, case.config.kv_lora_rank, case.config.qk_nope_head_dim, case.config.v_head_dim
+    g = torch.Generator().manual_seed(case.seed + 11)
+    pick = lambda n: torch.nn.functional.one_hot(torch.randint(0, L, (H, n), generator=g), L).to(case.q.dtype)  # noqa: E731
+    w_uk = pick(Dn)  # [H, Dn, L]
+    case.w_k, case.w_uk, case.w_uv = w_uk.reshape(H * Dn, L), w_uk.transpose(1, 2).contiguous(), pick(Dv)
+
+
+@pytest.mark.parametrize("form", ["decode-bf16", "decode-fp8q", "decode-fp8q-fp8cache", "prefill-bf16"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_reduced_precision_queries_score_in_float32(backend, form, monkeypatch):
+    """A bf16 query (or an fp8 one with q_scale, dequantised to bf16) against stored bf16 / fp8
+    values: every product is exact in float32, so with float32 scores (docs/api.md) the LSE
+    matches the float64 reference to float32 rounding, 1e-4 here with scores of ~30; a bf16 score
+    is off by ~2^-9 |score|, 1e-3 of the LSE. The output within bf16's tolerance."""
+    name = _ready(backend, monkeypatch)
+    fp8_cache = form.endswith("fp8cache")
+    if name == "triton" and form.startswith("prefill") and not torch.cuda.is_available():
+        pytest.skip("the interpreter runs the triton prefill kernel slowly; the decode forms cover its scores")
+    cfg = small_config(num_heads=4, L=128 if fp8_cache else 64, R=16)
+    case = make_case([21, 3, 40], [1, 2, 1] if form.startswith("decode") else [9, 4, 7], config=cfg, dtype=torch.bfloat16,
+                     cache_dtype="fp8_e4m3" if fp8_cache else None)
+    _one_hot_weights(case)
+    filled = case.clone_cache()
+    openmla.plan(filled.batch, scale=case.scale, backend="reference").run(*filled.run_args())  # the step's entries
+    g = torch.Generator().manual_seed(case.seed + 5)
+    T, H, L = case.q.shape[0], cfg.num_heads, cfg.kv_lora_rank
+    plans = {b: openmla.plan(filled.batch, scale=case.scale, backend=b) for b in (name, "reference")}
+    assert plans[name].backend_name == name, plans[name].fallback_reason
+    if form.startswith("decode"):
+        q = torch.randn(T, H, L + cfg.qk_rope_head_dim, generator=g) * 24
+        kw = {}
+        if "fp8q" in form:
+            q, kw = (q / 16).clamp(-448, 448).to(torch.float8_e4m3fn), {"q_scale": 16.0}
+        else:
+            q = q.bfloat16()
+        res = {b: p.decode(q, case.layer_idx, kv_lora_rank=L, return_lse=True, **kw) for b, p in plans.items()}
+    else:
+        q = (torch.randn(T, H, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, generator=g) * 24).bfloat16()
+        res = {b: p.prefill(q, case.layer_idx, case.w_k, case.w_uv, return_lse=True) for b, p in plans.items()}
+    (out, lse), (w_out, w_lse) = res[name], res["reference"]
+    assert w_lse.abs().max() > 10, f"the scores must be large for bf16 rounding to show (seed {case.seed})"
+    assert_close(out, w_out, TOL[torch.bfloat16], f"{name} {form} out", case.seed)
+    assert_lse(lse, w_lse, 1e-4, case.seed)

@@ -347,6 +347,9 @@ def _bad(**change):
     ("spec.window", dict(spec=lambda a: SharedKVSpec(1.0, 0, EntryLayout(16, 2), a["spec"].compressed))),
     ("spec.scale", dict(spec=lambda a: SharedKVSpec(math.nan, 4, EntryLayout(16, 2), a["spec"].compressed))),
     ("spec.entry.value", dict(spec=lambda a: SharedKVSpec(1.0, 4, EntryLayout(16, 2, "latent"), a["spec"].compressed))),
+    ("spec.entry", dict(spec=lambda a: SharedKVSpec(1.0, 4, None, a["spec"].compressed))),
+    ("spec.entry", dict(spec=lambda a: SharedKVSpec(1.0, 4, (16, 2), a["spec"].compressed))),
+    ("spec.entry", dict(spec=lambda a: SharedKVSpec(1.0, 4, {"width": 16, "rope_dim": 2}, a["spec"].compressed))),
     ("q_offsets", dict(q_offsets=lambda a: a["q_offsets"].flip(0))),
     ("raw.lengths", dict(raw=lambda a: PagedEntries(a["raw"].blocks, a["raw"].block_table, a["raw"].lengths * 0))),
     ("raw.block_table", dict(raw=lambda a: PagedEntries(a["raw"].blocks, a["raw"].block_table * 0 - 1, a["raw"].lengths))),
@@ -397,3 +400,55 @@ def test_plan_for_another_layer():
         plan.for_layer(PagedEntries(raw2.blocks, raw.block_table.clone(), raw.lengths), spec2, comp2)
     with pytest.raises(ValueError, match="^compressed[.]blocks:"):
         plan.for_layer(raw2, spec2, PagedEntries(comp2.blocks[:1], comp.block_table, comp.lengths))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu", "triton"])
+def test_float64_is_float64_or_refused(backend, monkeypatch):
+    """float64 q and entries: torch computes in float64 (as its MLA path; cpu declines to it), so the
+    result is the oracle's to ~1e-12; triton, whose kernel computes in float32, refuses the step by
+    name (never float64 computed in float32)."""
+    if backend == "cpu":
+        use_backend("cpu", monkeypatch)
+    if backend == "triton":
+        _triton()
+    seed = SEEDS.randrange(2**31)
+    case = make(seed, B=3, H=4, D=32, page_size=16, window=6, mode="indices", dtype=torch.float64)
+    if backend == "triton":
+        dev = torch.device("cuda" if CUDA else "cpu")
+        with pytest.raises(ValueError, match="^backend: the triton backend cannot run this step: q and raw.blocks are float64"):
+            plan_shared_kv(*_to(dev, *case), backend="triton")
+        return
+    want, want_lse = ref.shared_kv_attention(*case)
+    plan = plan_shared_kv(*case, backend=backend)
+    assert plan.backend_name == ("torch" if backend == "cpu" else backend)
+    got, lse = plan.run(case[0])
+    assert got.dtype == torch.float64 and lse.dtype == torch.float32
+    assert_close(got, want, 1e-12, "float64 out", seed)
+    assert_lse(lse, want_lse, 1e-6, seed)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu", "triton"])
+def test_nonfinite_entry_gives_a_nan_row(backend, value, monkeypatch):
+    """docs/api.md's NaN rule on V4: a NaN or infinite value in an entry a query sees (its score NaN
+    or +inf) makes that query's output and LSE NaN on every backend; the other rows keep their values."""
+    if backend == "cpu":
+        use_backend("cpu", monkeypatch)
+    dev = torch.device("cpu")
+    if backend == "triton":
+        _triton()
+        dev = torch.device("cuda" if CUDA else "cpu")
+    seed = SEEDS.randrange(2**31)
+    q, offsets, raw, spec, comp = make(seed, B=3, H=4, D=32, page_size=16, window=5, mode="rule", decode=True)
+    b = 2
+    last = int(raw.lengths[b]) - 1
+    q[int(offsets[b + 1]) - 1, :, 3] = 1.0  # the poisoned coordinate's score is +-inf * 1 (or NaN)
+    raw.blocks[int(raw.block_table[b, last // 16]), last % 16, 3] = value
+    want, want_lse = ref.shared_kv_attention(q, offsets, raw, spec, comp)
+    got, lse = shared_kv_attention(*_to(dev, q, offsets, raw, spec, comp), backend=backend)
+    row = int(offsets[b + 1]) - 1
+    assert torch.isnan(want[row]).all() and torch.isnan(want_lse[row]).all(), f"seed {seed}"
+    assert torch.isnan(got[row].cpu()).all() and torch.isnan(lse[row].cpu()).all(), f"{backend}: seed {seed}"
+    keep = torch.ones(q.shape[0], dtype=torch.bool)
+    keep[row] = False
+    assert_close(got.cpu()[keep], want[keep], 1e-5, "out (other rows)", seed)
