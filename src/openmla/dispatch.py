@@ -188,17 +188,19 @@ def _(out_lat, w_uv, plan, out_dtype):
 
 
 def absorb(plan, q_rot: Tensor, w_uk: Tensor) -> Tensor:
-    """``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]`` (the backend's absorption)."""
+    """``q_rot [T, H, Dn+R]``, ``w_uk [H, L, Dn]`` -> ``q_abs [T, H, L+R]`` (the backend's absorption;
+    eagerly the backend is called directly: its ``absorb`` returns ``result_dtypes``' output dtype)."""
     if torch.compiler.is_compiling():
         return torch.ops.openmla.absorb(q_rot, w_uk, plan.handle, plan.backend.result_dtypes(q_rot.dtype)[0])
-    return _absorb(plan, q_rot, w_uk)
+    return plan.backend.absorb(q_rot, w_uk)
 
 
 def unabsorb(plan, out_lat: Tensor, w_uv: Tensor) -> Tensor:
-    """``out_lat [T, H, L]``, ``w_uv [H, Dv, L]`` -> ``[T, H, Dv]`` (the backend's output projection)."""
+    """``out_lat [T, H, L]``, ``w_uv [H, Dv, L]`` -> ``[T, H, Dv]`` (the backend's output projection;
+    eagerly the backend is called directly, as ``absorb``)."""
     if torch.compiler.is_compiling():
         return torch.ops.openmla.unabsorb(out_lat, w_uv, plan.handle, plan.backend.result_dtypes(out_lat.dtype)[0])
-    return _unabsorb(plan, out_lat, w_uv)
+    return plan.backend.unabsorb(out_lat, w_uv)
 
 
 # One prefill chunk with given keys (MAX's flare_mla_prefill) ------------------------------
