@@ -10,6 +10,10 @@ Tests set ``OPENMLA_CPU_TEST_HOOKS=1`` (tests/conftest.py): that process builds 
 variant with test hooks (NaN-filled scratch, a switch for the own AMX kernel, a count of its
 units) under its own key; the library users load has none of them.
 
+``OPENMLA_CPU_ISA=avx2`` (or ``avx512``) compiles for less than the CPU has (no AVX-512 / no AMX),
+under its own key: the other ISAs' kernel paths then run on a newer CPU (with
+``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN's side, bf16 then computes in float32 as on an AVX2 CPU).
+
 Where no compiler is found or the build fails, :func:`load` warns once and returns False, and
 the ``cpu`` backend reports itself unavailable (callers fall back to the ``torch`` backend).
 """
@@ -49,11 +53,28 @@ def cpu_flags() -> list[str]:
     return [platform.machine(), platform.processor()]
 
 
+ISA_CAPS = {  # OPENMLA_CPU_ISA: build for less than this CPU has (tests of the other ISAs' paths)
+    "avx2": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
+    "avx512": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
+}
+
+
+def isa_cap() -> str:
+    """``OPENMLA_CPU_ISA`` (``avx2`` or ``avx512``): compile as if the CPU had no more than that
+    (AVX2: no AVX-512, no AMX), to run those kernels' paths on a newer CPU; empty: all it has."""
+    isa = os.environ.get("OPENMLA_CPU_ISA", "").lower()
+    return isa if isa in ISA_CAPS else ""
+
+
 def compile_flags(flags: list[str]) -> list[str]:
     """``-march=native`` plus the ATen vector width matching it (``at::vec`` picks its 512- or
-    256-bit implementation from ``CPU_CAPABILITY_*``)."""
+    256-bit implementation from ``CPU_CAPABILITY_*``), less what ``OPENMLA_CPU_ISA`` caps."""
     have = set(flags)
     out = ["-O3", "-fopenmp", "-march=native", "-DNDEBUG"]
+    cap = isa_cap()
+    out += ISA_CAPS.get(cap, [])
+    if cap == "avx2":
+        have = {f for f in have if not f.startswith(("avx512", "amx"))}
     if test_hooks():
         out.append("-DOPENMLA_TEST_HOOKS")
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= have:
@@ -69,6 +90,7 @@ def build_key() -> str:
     h.update(torch.__version__.encode())
     h.update(" ".join(cpu_flags()).encode())
     h.update(b"test-hooks" if test_hooks() else b"")
+    h.update(isa_cap().encode())
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode())

@@ -38,6 +38,23 @@ inline std::atomic<int64_t>& bf16_tiles_units() {
 }
 #endif
 
+// Lines of the next key block asked into L2 while P x V runs on this one (one per key pair of
+// a tile): the score tiles of the next block then find their keys there instead of waiting on
+// memory, so the cache stream overlaps the products.
+struct BlockPrefetch {
+  const uint8_t* const* rows = nullptr;  // the rows to fetch, ``n`` of them, ``bytes`` each
+  int64_t n = 0, bytes = 0, r = 0, off = 0;
+  inline void one() {
+    if (r >= n) return;
+    __builtin_prefetch(rows[r] + off, 0, 2);
+    off += 64;
+    if (off >= bytes) {
+      off = 0;
+      ++r;
+    }
+  }
+};
+
 #if defined(OPENMLA_BF16_TILES)
 #define OPENMLA_TILE_UNROLL _Pragma("GCC unroll 32")
 
@@ -131,23 +148,6 @@ inline const ChunkPerm& chunk_perm() {
   static const ChunkPerm p;
   return p;
 }
-
-// Lines of the next key block asked into L2 while P x V runs on this one (one per key pair of
-// a tile): the score tiles of the next block then find their keys there instead of waiting on
-// memory, so the cache stream overlaps the products. ``row(i)`` gives the i-th row to fetch.
-struct BlockPrefetch {
-  const uint8_t* const* rows = nullptr;  // the rows to fetch, ``n`` of them, ``bytes`` each
-  int64_t n = 0, bytes = 0, r = 0, off = 0;
-  inline void one() {
-    if (r >= n) return;
-    _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + off, _MM_HINT_T1);
-    off += 64;
-    if (off >= bytes) {
-      off = 0;
-      ++r;
-    }
-  }
-};
 
 // O[m][c0 + 0:w] += sum_j P[m][j] V[j][c0 + 0:w] for MR query rows (w <= 32 columns): V rows
 // V[0..2 npairs), PP [npairs][ldpp] the P pairs of the two keys of each pair (row m at m).
