@@ -79,4 +79,4 @@ class EinsumBackend(Backend):
         return self._attend(plan, layer_idx, q_rot, spec, up_projected)
 
     def flare_mla_prefill(self, plan, layer_idx, q, k, v, chunk, spec, tile):
-        raise NotImplementedError("einsum: the seeds' chunk-level flare_mla_prefill is not implemented")
+        raise NotImplementedError("einsum: MAX's chunk-level flare_mla_prefill is not implemented")

@@ -1,5 +1,5 @@
 """The dispatch seam: a backend is one class plus one registry line; the plan picks it (or its
-fallback) once and records what runs; every route (fused op, pieces, seed ops) reaches it.
+fallback) once and records what runs; every route (fused op, pieces, MAX's named ops) reaches it.
 
 The class is ``tests/einsum_backend.py``, the walkthrough of docs/backends.md.
 """
@@ -71,7 +71,7 @@ def test_seed_ops_and_pieces_reach_the_same_backend(einsum):
     case = make_case([6, 2], [1, 1], page_size=4)
     want = openmla.mla_prefill_decode_graph(*case.clone_cache().fused_args(), scale=case.scale, backend="reference")
     got = openmla.mla_prefill_decode_graph(*case.fused_args(), scale=case.scale, backend=einsum)
-    assert_close(got, want, TOL[torch.float32], "seed op on einsum", case.seed)
+    assert_close(got, want, TOL[torch.float32], "MAX's op on einsum", case.seed)
     step = openmla.plan(case.batch, scale=case.scale, backend=einsum)
     calls = []
     be = step.backend

@@ -1,6 +1,6 @@
 """The plan/run contract: one plan per step, O(1) host work per layer, custom ops, torch.compile.
 
-- ``plan.run`` equals the seed-named ops (every backend, both forms, sparse, sinks);
+- ``plan.run`` equals MAX's named ops (``openmla.compat.max``) (every backend, both forms, sparse, sinks);
 - the per-layer path reads no tensor value on the host (methods patched to raise);
 - metadata edited after planning cannot reach the kernels (the plan holds validated copies);
 - ``refill`` loads a new step in place (same tensors) and equals a fresh plan;
@@ -30,7 +30,7 @@ BACKENDS = ["torch", "reference"]
 
 
 def _run_both(case, backend, **opts):
-    """The fused op through a plan and through the seed-named op, on separate cache copies."""
+    """The fused op through a plan and through MAX's named op, on separate cache copies."""
     a, b = case.clone_cache(), case.clone_cache()
     step = openmla.plan(a.batch, scale=case.scale, backend=backend, **opts)
     got = step.run(*a.run_args(), return_lse=True)
@@ -41,7 +41,7 @@ def _run_both(case, backend, **opts):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("new", [[1, 2, 1], [9, 1, 0]], ids=["decode", "prefill"])
 @pytest.mark.parametrize("mask,kw", MASK_CASES[:3], ids=[m for m, _ in MASK_CASES[:3]])
-def test_run_equals_seed_op(backend, new, mask, kw):
+def test_run_equals_max_op(backend, new, mask, kw):
     case = make_case([5, 0, 17], new, page_size=4)
     (out, lse), (w_out, w_lse), (a, b) = _run_both(case, backend, mask=mask, **kw)
     assert_close(out, w_out, TOL[torch.float32], "out", case.seed)
