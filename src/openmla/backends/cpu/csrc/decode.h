@@ -456,16 +456,16 @@ struct DecodeKernel {
   }
 
   // One key block on the register tiles: block rows ``rows`` (rows [ra, rb) seen by some query
-  // row, the others ``zero``; the row at rb is set to it when rb is odd), ``n`` rows in the
-  // block: scores, softmax, P x V (P pairs in ``PP``, [n_max / 2 + 1][M]).
-  void tile_products(Unit& w, const T** rows, int64_t ra, int64_t rb, int64_t n, const T* zero, int32_t* PP,
+  // row, the others ``zero``; the row at rb is set to it when rb is odd): scores, softmax, P x V
+  // (P pairs in ``PP``, [n_max / 2 + 1][M]).
+  void tile_products(Unit& w, const T** rows, int64_t ra, int64_t rb, const T* zero, int32_t* PP,
                      BlockPrefetch pf = {}) const {
 #if defined(OPENMLA_BF16_TILES)
     if constexpr (std::is_same_v<T, BFloat16>) {
       const int64_t M = w.M, L = this->L();
       if (rb & 1) rows[rb] = zero;
       score_tiles(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M);
-      softmax(w, n);
+      softmax(w, rb);  // rows past rb are seen by none: a short context is not padded to its page
       const int64_t j0 = ra & ~int64_t(1), pairs = (round_up(rb, 2) - j0) / 2;
       pair_probs(w.PT + j0 * M, M, pairs, PP);
       pv_tiles(rows + j0, pairs, PP, M, w.O, L, L, pf);
@@ -503,7 +503,6 @@ struct DecodeKernel {
       const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
       const int64_t ra = kb.a - kb.base, rb = kb.b - kb.base;
       for (int64_t r = 0; r < ra; ++r) w.rows[r] = zero;
-      for (int64_t r = rb; r < kb.rows; ++r) w.rows[r] = zero;
       if (plan.inplace) {
         for (int64_t r = ra; r < rb; ++r) w.rows[r] = reinterpret_cast<const T*>(a.cache.logical(u.b, kb.base + r));
       } else {
@@ -522,7 +521,7 @@ struct DecodeKernel {
         pf.bytes = D * (int64_t)sizeof(T);
         for (int64_t r = 0; r < pf.n; ++r) ahead[r] = a.cache.logical(u.b, nb.a + r);
       }
-      tile_products(w, w.rows, ra, rb, kb.rows, zero, PP, pf);
+      tile_products(w, w.rows, ra, rb, zero, PP, pf);
       pos = kb.b;
     }
   }
@@ -563,7 +562,7 @@ struct DecodeKernel {
       std::fill(w.c0, w.c0 + w.M, 0);
       std::fill(w.c1, w.c1 + w.M, (int32_t)n);
       if (w.tiles) {
-        tile_products(w, w.rows, 0, n, n, zero, PP);
+        tile_products(w, w.rows, 0, n, zero, PP);
         continue;
       }
       mm(w, round_up(n, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
