@@ -89,6 +89,13 @@ class OnlineSoftmax:
         return out, lse
 
 
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    """``values`` with NaN / inf replaced by 0, for a key block some query does not see: its zero
+    probability times a NaN value would leak NaN into that query (a query that sees such a key has
+    a NaN or +inf score there, so its row is NaN whatever the value: docs/api.md's NaN rule)."""
+    return values.masked_fill(~torch.isfinite(values), 0)
+
+
 def fully_visible(mask: MaskVariant, p_lo: int, p_hi: int, kv_len: int) -> tuple[int, int]:
     """Key range ``[lo, hi)`` every query at positions ``p_lo..p_hi`` sees (may be empty).
 
@@ -169,10 +176,12 @@ def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSp
                     keys, vals = _page_keys(plan, layer_idx, b, k0, k1, q.dtype, values_stored)
                     # keys @ q^T, transposed back: ~1.3x faster than q @ keys^T at few query rows (M = 16)
                     s = torch.mm(keys, q_t).t().contiguous().to(stat).mul_(scale)
+                    values = vals[:, :L]
                     if not (full_lo <= k0 and k1 <= full_hi):  # some query of the chunk cannot see some key
                         visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                         s.view(r1 - r0, H, k1 - k0).masked_fill_(~visible[:, None, :], -math.inf)
-                    state.add(s, vals[:, :L])
+                        values = _finite(values)
+                    state.add(s, values)
                 results.append(state.result())
             o, o_lse = _merge(results)
             out[r0:r1] = o.view(r1 - r0, H, L)

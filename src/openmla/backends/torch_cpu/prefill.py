@@ -29,7 +29,7 @@ import torch
 from ...chunks import default_buffer_size
 from ...combine import apply_sink
 from ...masks import MaskVariant
-from .decode import OnlineSoftmax, fully_visible
+from .decode import OnlineSoftmax, _finite, fully_visible
 
 if TYPE_CHECKING:
     from ...cache import CacheBatch
@@ -141,10 +141,12 @@ def _attend(state: OnlineSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 k1 = min(k0 + block_n, hi)
                 j0, j1 = sp.row + k0 - sp.k_lo, sp.row + k1 - sp.k_lo  # rows of the compacted keys
                 s = torch.bmm(q[:, r0:r1], k[:, j0:j1].transpose(1, 2)).mul_(scale)  # [H, m, n] in the state's dtype
+                values = v[:, j0:j1]
                 if not (full_lo <= k0 and k1 <= full_hi):  # some query of the block cannot see some key
                     visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                     s.masked_fill_(~visible, -math.inf)
-                state.add(s, v[:, j0:j1], at=(slice(None), slice(r0, r1)))
+                    values = _finite(values)
+                state.add(s, values, at=(slice(None), slice(r0, r1)))
 
 
 def _output(state: OnlineSoftmax, dtype: torch.dtype, attn_sink: torch.Tensor | None,

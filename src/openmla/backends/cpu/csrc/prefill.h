@@ -51,6 +51,21 @@ struct PrefillUnit {
   int64_t cost;
 };
 
+// NaN / inf -> 0 in a packed V block (n values). A query that does not see a key multiplies its
+// value by a zero probability, and 0 * NaN would leak NaN into that query's row; a query that
+// sees the key has a NaN or +inf score for it (the value comes from the same latent), so its row
+// is NaN anyway (softmax.h's NaN rule). One pass over the block, next to the GEMMs that read it.
+template <typename T>
+inline void zero_nonfinite(T* v, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; ++i) v[i] = std::isfinite(v[i]) ? v[i] : 0.f;
+  } else {
+    constexpr uint16_t EXP = std::is_same_v<T, Half> ? 0x7C00 : 0x7F80;  // all-ones exponent: inf or NaN
+    uint16_t* bits = reinterpret_cast<uint16_t*>(v);
+    for (int64_t i = 0; i < n; ++i) bits[i] = (bits[i] & EXP) == EXP ? 0 : bits[i];
+  }
+}
+
 template <typename T>
 struct PrefillKernel {
   const PrefillArgs& a;
@@ -88,6 +103,7 @@ struct PrefillKernel {
       zero_b_columns<T>(kb, Dq, BN, n, BN);
       for (int64_t r = 0; r < n; ++r) vrows[r] = v + (row + r) * a.v_ld + h * Dv;
       pack_b_rows<T>(vrows, n, BN, Dv, Vp + j * BN * Dv);
+      zero_nonfinite(Vp + j * BN * Dv, BN * Dv);
     }
 
     float* S = scratch<float>(S_SCORES, BM * BN);
