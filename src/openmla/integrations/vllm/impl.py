@@ -60,7 +60,7 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         self.supports_quant_query_input = False  # q stays in the model dtype; openmla dequantises fp8 caches itself
         self.w_k: torch.Tensor | None = None  # [H*Dn, L], the prefill K up-projection
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
-        self.weights: LayerWeights | None = None  # both, for MLAPlan.attend (w_uk: a view of w_k)
+        self.layer_weights: LayerWeights | None = None  # both, for MLAPlan.attend (w_uk: a view of w_k)
         self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
         # Read by MLAAttention once this impl exists: vLLM's bmm_cpu for the decode absorption
         # and W_UV, against the packed weights that process_weights_after_loading makes.
@@ -80,7 +80,7 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         # The latent is normed by vLLM before the cache write, so the plan never reads this gamma;
         # w_uk (the absorbed form, which a prefill plan runs only for a sparse step) is a view, no copy.
         gamma = torch.ones(self.kv_lora_rank, dtype=self.w_k.dtype, device=self.w_k.device)
-        self.weights = LayerWeights(gamma, self.w_k, self.w_k.view(H, Dn, self.kv_lora_rank).transpose(1, 2), self.w_uv)
+        self.layer_weights = LayerWeights(gamma, self.w_k, self.w_k.view(H, Dn, self.kv_lora_rank).transpose(1, 2), self.w_uv)
         if self.uses_amx_bmm:  # vLLM's own packing (sets _w_uk_packed, _w_uv_packed, _w_scale)
             from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
 
@@ -138,7 +138,7 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         if output_scale is not None:
             raise NotImplementedError("openmla's vLLM backend: fused output quantization is not supported")
         plan = self.layer_plan(attn_metadata.prefill_plan, kv_c_and_k_pe_cache, k_scale)
-        out = plan.attend(q, 0, self.weights)  # the plan's form rule (up-projected unless the step is absorbed)
+        out = plan.attend(q, 0, self.layer_weights)  # the plan's form rule (up-projected unless the step is absorbed)
         output.view(out.shape).copy_(out)
 
 
