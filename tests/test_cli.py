@@ -16,6 +16,7 @@ def test_demo_serves_every_request_and_frees_the_cache(capsys):
     out = " ".join(capsys.readouterr().out.split())  # rich wraps lines at the terminal width
     assert rc == 0, out
     assert "requests served" in out and "0 in use at the end" in out and "pass" in out
+    assert "of roofline" in out and ("memory" in out or "compute" in out) and "copy bandwidth" in out
 
 
 def test_bench_writes_json_and_png(tmp_path, capsys):

@@ -60,14 +60,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           seed=args.seed, check=not args.no_check, on_step=on_step, grid=grid, interleave=args.interleave)
     peak = report.matmul_flops_per_s
     table = Table(title=f"openmla demo — backend {report.backend}, {dtype_name(dtype)}, {cfg.num_heads} heads")
-    for col in ("phase", "tokens", "steps", "seconds", "tokens/s", "achieved", "of matmul rate"):
+    for col in ("phase", "tokens", "steps", "seconds", "tokens/s", "achieved", "of roofline"):
         table.add_column(col, justify="right" if col != "phase" else "left")
     for name, st in (("prefill", report.prefill), ("decode", report.decode)):
+        frac, bound = st.roofline(peak, report.copy_bytes_per_s)
         table.add_row(name, str(st.tokens), str(st.steps), f"{st.seconds:.2f}", f"{st.tokens_per_s:,.0f}",
-                      _si(st.flops_per_s, "FLOP/s"), f"{st.flops_per_s / peak:.2f}")
+                      _si(st.flops_per_s, "FLOP/s"), f"{frac:.2f} {bound}")
     console.print(table)
     facts = Table(show_header=False, box=None)
     facts.add_row(f"{dtype_name(dtype)} matmul rate (this run)", _si(peak, "FLOP/s"))
+    facts.add_row("copy bandwidth (this run, read + write)", _si(report.copy_bytes_per_s, "B/s"))
+    facts.add_row("roofline", "max(FLOPs / matmul rate, bytes / copy bandwidth) per phase: cache rows read "
+                  "and written, weights read once per step")
     facts.add_row("CPU", hardware.describe())
     facts.add_row("requests served", str(report.requests))
     facts.add_row("cache pages", f"peak {report.peak_pages} of {report.num_pages} (page {report.page_size}), "

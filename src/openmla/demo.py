@@ -41,13 +41,23 @@ class PhaseStats:
     flops: int = 0
     steps: int = 0
     bytes_sent: int = 0  # by this rank, over torch.distributed (0 in one process)
+    bytes_moved: int = 0  # the least memory traffic of its steps: cache rows read and written, the layer's weights
 
-    def add(self, tokens: int, seconds: float, flops: int, bytes_sent: int = 0) -> None:
+    def add(self, tokens: int, seconds: float, flops: int, bytes_sent: int = 0, bytes_moved: int = 0) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.flops += flops
         self.steps += 1
         self.bytes_sent += bytes_sent
+        self.bytes_moved += bytes_moved
+
+    def roofline(self, flops_per_s: float, bytes_per_s: float) -> tuple[float, str]:
+        """(fraction of the roofline, which bound): the roofline time is the larger of the
+        phase's FLOPs at the matmul rate and its bytes at the copy bandwidth, both of this run."""
+        if not self.seconds or flops_per_s <= 0 or bytes_per_s <= 0:
+            return 0.0, "-"
+        t_flops, t_bytes = self.flops / flops_per_s, self.bytes_moved / bytes_per_s
+        return max(t_flops, t_bytes) / self.seconds, "compute" if t_flops >= t_bytes else "memory"
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,6 +74,7 @@ class DemoReport:
     backend: str
     dtype: torch.dtype
     matmul_flops_per_s: float
+    copy_bytes_per_s: float = 0.0  # bytes read + written per second by a large copy, this run
     prefill: PhaseStats = field(default_factory=PhaseStats)
     decode: PhaseStats = field(default_factory=PhaseStats)
     requests: int = 0
@@ -77,6 +88,20 @@ class DemoReport:
     check_what: str = ""
     wall_seconds: float = 0.0
     storage_bytes: int = 0  # this process's page pool
+
+
+def copy_bandwidth(mib: int = 64, repeats: int = 3) -> float:
+    """Bytes read plus written per second by a ``mib`` MiB tensor copy (median of ``repeats``):
+    the memory side of the roofline, measured in the same run as the matmul rate."""
+    src = torch.ones(mib << 18)  # float32: mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / sorted(times)[len(times) // 2]
 
 
 @torch.inference_mode()
@@ -144,9 +169,16 @@ def run_demo(
     from .backends import resolve_backend_name
 
     report = DemoReport(config, resolve_backend_name(backend, torch.device("cpu")), dtype, matmul_rate(dtype=dtype),
-                        num_pages=cache.num_pages, page_size=page_size, requests=num_requests, cache_format=cache.cache_format,
+                        copy_bytes_per_s=copy_bandwidth(), num_pages=cache.num_pages, page_size=page_size, requests=num_requests, cache_format=cache.cache_format,
                         bytes_per_token=cache.bytes_per_token, storage_bytes=cache.blocks.numel() * cache.blocks.element_size())
     hidden_std = 1.0
+    weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+
+    def bytes_moved(cache_lens: list[int], counts: list[int]) -> int:
+        """The step's least memory traffic: every visible cache row read once, the new rows
+        written, the weights read once (activations left out)."""
+        return (sum(cache_lens) + 2 * sum(counts)) * cache.bytes_per_token + weight_bytes
+
     t_start = time.perf_counter()
     finished = 0
 
@@ -182,7 +214,7 @@ def run_demo(
             batch, hidden, out, dt, sent = step(ids, counts)
             decode_form = max(counts) <= DECODE_MAX_Q_LEN
             flops = fused_op_flops(config, [0] * len(ids), counts, decode_form) + projection_flops(config, sum(counts))
-            report.prefill.add(sum(counts), dt, flops, sent)
+            report.prefill.add(sum(counts), dt, flops, sent, bytes_moved([0] * len(ids), counts))
             cache.commit(batch)
             for r in admit:
                 r.generated = 1  # the prefill step yields the first token
@@ -197,7 +229,7 @@ def run_demo(
         cache_lens = [cache.length(i) for i in ids]
         batch, hidden, out, dt, sent = step(ids, [1] * len(ids))
         flops = fused_op_flops(config, cache_lens, [1] * len(ids), True) + projection_flops(config, len(ids))
-        report.decode.add(len(ids), dt, flops, sent)
+        report.decode.add(len(ids), dt, flops, sent, bytes_moved(cache_lens, [1] * len(ids)))
         if check and report.check_error is None and len(ids) >= 2:
             report.check_error = _reference_check(layer, hidden, batch, out)
             report.check_what = f"decode step of {len(ids)} sequences ({sum(cache_lens)} cached tokens)"
