@@ -96,7 +96,8 @@ inline void score_tile(const BFloat16* const* K, int64_t kr, const BFloat16* QT,
 }
 
 // Keys the score tiles ask for ahead of the tile they multiply: at H = 16 one core consumes a
-// key row (1152 bytes) every ~100 ns, faster than the hardware prefetchers follow 8 rows at once.
+// key row (1152 bytes) every ~100 ns, faster than the hardware prefetchers follow 8 rows at once
+// (16 against 0 and 32: 0.84 / 0.92 / 0.87 of brgemm's time, Zen 4, H=16, 8 x 4096, one thread).
 constexpr int64_t SCORE_PREFETCH_KEYS = 16;
 
 template <int KR, int NV>
