@@ -151,7 +151,7 @@ def _page_keys(plan: "PlanView", layer_idx: int, b: int, k0: int, k1: int, dtype
 
 
 def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSpec", L: int, stat: torch.dtype,
-           out: torch.Tensor, lse: torch.Tensor, values_stored: bool = False) -> None:
+           out: torch.Tensor, lse: torch.Tensor, values_stored: bool = False, widened: bool = False) -> None:
     T, H, D = q.shape
     mask, scale, device = spec.mask, spec.scale, q.device
     batch = plan.batch
@@ -163,7 +163,9 @@ def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSp
             r1 = min(r0 + max_tokens, offsets[b + 1])
             p_lo, p_hi = c + r0 - offsets[b], c + r1 - 1 - offsets[b]  # their positions
             q_rows = q[r0:r1].reshape(-1, D)  # [tokens*H, D], token-major
-            q_t = q_rows.t().contiguous()  # [D, tokens*H]: a float32 GEMM takes a packed B ~2x faster than a transposed view
+            # [D, tokens*H]; a query widened to float32 scores packs it (a float32 GEMM takes a packed B
+            # ~2x faster than a transposed view; inputs already float32 keep the view they always had)
+            q_t = q_rows.t().contiguous() if widened else q_rows.t()
             q_pos = torch.arange(p_lo, p_hi + 1, device=device)
             lo, hi = mask.key_range(p_lo, p_hi, kv_len)
             full_lo, full_hi = fully_visible(mask, p_lo, p_hi, kv_len)
@@ -254,7 +256,7 @@ def decode(
         # bf16 query and cache: P x V on the stored rows (the bf16 GEMM the inputs' dtype promised),
         # only the scores widened; a wider query keeps float32 values.
         both_bf16 = q_abs.dtype == plan.batch.compute_dtype == torch.bfloat16 and plan.batch.is_native
-        _dense(plan, layer_idx, q, spec, kv_lora_rank, stat, out, lse, both_bf16)
+        _dense(plan, layer_idx, q, spec, kv_lora_rank, stat, out, lse, both_bf16, q_abs.dtype != mm_dtype)
     else:
         _sparse(plan, layer_idx, q, spec, kv_lora_rank, stat, out, lse)
     if spec.attn_sink is not None:
