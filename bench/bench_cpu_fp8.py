@@ -84,7 +84,7 @@ def prefill_inputs(fmt: str, n: int = 512, H: int = 16):
     (per chunk: the native gather dequantises the visible rows, two torch matmuls up-project them,
     native flash attention), float32 inputs."""
     import openmla
-    from openmla.testing import make_case, small_config
+    from openmla_tools.testing import make_case, small_config
 
     cfg = small_config(num_heads=H, L=L, R=R, Dn=128, Dv=128)
     case = make_case([0, 0], [n, n], config=cfg, page_size=PAGE, dtype=torch.float32, seed=1,

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import openmla  # noqa: E402
 from openmla import PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
 from openmla.flops import fused_op_flops  # noqa: E402
-from openmla.testing import make_case, small_config  # noqa: E402
+from openmla_tools.testing import make_case, small_config  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 # What a Zen 4 has: AVX-512 with bf16 dot products, no AMX. Both libraries that pick kernels by

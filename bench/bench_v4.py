@@ -74,7 +74,7 @@ def build(quick: bool):
 
     torch.manual_seed(0)
     cfg = flash_cut(quick)
-    from openmla.testing import randomize_v4_untrained
+    from openmla_tools.testing import randomize_v4_untrained
 
     return randomize_v4_untrained(DeepseekV4ForCausalLM(cfg).float().eval()), cfg
 

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import openmla  # noqa: E402
-from openmla.testing import make_case, small_config  # noqa: E402
+from openmla_tools.testing import make_case, small_config  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import openmla  # noqa: E402
 from openmla import LatentAttention, PagedLatentCache, preset  # noqa: E402
-from openmla.testing import rel_err  # noqa: E402
+from openmla_tools.testing import rel_err  # noqa: E402
 
 
 def main() -> int:

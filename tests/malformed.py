@@ -20,7 +20,7 @@ import openmla
 from openmla.cache import HostLists
 from openmla import CacheBatch, CacheFullError, MlaConfigV2, PagedLatentCache
 from openmla.layer import LatentAttention
-from openmla.testing import Case, make_case, small_config
+from openmla_tools.testing import Case, make_case, small_config
 
 NAN = float("nan")
 

@@ -2,7 +2,7 @@
 
 import json
 
-from openmla.cli import main
+from openmla_tools.cli import main
 
 
 def test_check_passes_on_the_torch_backend(capsys):

@@ -476,7 +476,7 @@ def test_bf16_computes_in_float32_without_bf16_brgemm(monkeypatch):
 
 NON_AMX_SCRIPT = textwrap.dedent("""
     import torch, openmla
-    from openmla.testing import make_case, small_config, rel_err
+    from openmla_tools.testing import make_case, small_config, rel_err
     for new in ([9, 2], [1, 3]):  # the prefill form, then the decode form
         case = make_case([0, 130], new, config=small_config(8, 512, 64, 128, 128), page_size=64, dtype=torch.bfloat16)
         got = openmla.mla_prefill_decode_graph(*case.clone_cache().fused_args(), scale=case.scale, backend="cpu")
@@ -497,7 +497,7 @@ def test_non_amx_isa(isa):
 
 # Commands ---------------------------------------------------------------------------------------
 def test_build_and_check_commands(capsys):
-    from openmla.cli import main
+    from openmla_tools.cli import main
 
     assert main(["build"]) == 0
     assert main(["check", "--backend", "cpu", "--seed", "7"]) == 0

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from openmla import CacheFullError, LatentAttention, MLAConfig, PagedLatentCache, YarnScaling
 from openmla import distributed
 from openmla.distributed import ContextParallelCache, TensorParallelAttention, TokenLayout, init_grid
-from openmla.testing import MASK_CASES, assert_close, assert_lse, rel_err
+from openmla_tools.testing import MASK_CASES, assert_close, assert_lse, rel_err
 
 WORLD = 4
 MAIN_TIMEOUT = datetime.timedelta(seconds=90)
@@ -311,7 +311,7 @@ def _stops_answering(grid) -> None:
 
 
 def _demo(grid) -> str:
-    from openmla.cli import main
+    from openmla_tools.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -502,14 +502,14 @@ def test_tp_shard_without_a_grid_refuses_to_run():
         shard(torch.randn(3, 48), cache.prepare(["a"], [3]))
 
 
-def test_python_dash_m_openmla_is_the_cli(monkeypatch, capsys):
-    """``python -m openmla`` (and so ``torchrun -m openmla``) runs the ``openmla`` command."""
+def test_python_dash_m_openmla_tools_is_the_cli(monkeypatch, capsys):
+    """``python -m openmla_tools`` (and so ``torchrun -m openmla_tools``) runs the ``openmla`` command."""
     import runpy
     import sys
 
     monkeypatch.setattr(sys, "argv", ["openmla", "demo", "--help"])
     with pytest.raises(SystemExit) as exc:
-        runpy.run_module("openmla", run_name="__main__")
+        runpy.run_module("openmla_tools", run_name="__main__")
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--tp" in out and "--cp" in out and "--timeout" in out

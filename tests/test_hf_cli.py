@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from openmla.cli import main  # noqa: E402
+from openmla_tools.cli import main  # noqa: E402
 from openmla.hf import attach, generate, presets  # noqa: E402
 from openmla.hf.families import FAMILIES, REFUSED  # noqa: E402
 from test_hf_generate import load, save_tiny  # noqa: E402

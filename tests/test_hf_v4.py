@@ -16,7 +16,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 from openmla.hf import Limits, Sampling, attach, detach, generate, stream  # noqa: E402
 from openmla.cache import CacheFullError  # noqa: E402
 from openmla.hf.v4 import attach_v4, forward_step_v4, generate_v4, v4_attachment  # noqa: E402
-from openmla.testing import randomize_v4_untrained  # noqa: E402
+from openmla_tools.testing import randomize_v4_untrained  # noqa: E402
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 NEW = 6

@@ -23,7 +23,7 @@ import openmla
 from openmla import PagedLatentCache
 from openmla import reference as ref
 from openmla.cache import CacheBatch
-from openmla.cli_options import CACHE_DTYPES
+from openmla_tools.cli_options import CACHE_DTYPES
 from openmla.formats import QUANTIZED_FORMATS, RECORDS
 from openmla.spec import AttentionSpec
 

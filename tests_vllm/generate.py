@@ -59,7 +59,7 @@ def compare_with(backend: str) -> None:
     import openmla
     from openmla.integrations.vllm.impl import OpenMLAImpl
     from openmla.integrations.vllm.metadata import layer_blocks
-    from openmla.testing import rel_err
+    from openmla_tools.testing import rel_err
 
     def other(impl, plan, kv_cache, k_scale):
         batch = plan.batch.with_blocks(layer_blocks(kv_cache, impl.cache_format))

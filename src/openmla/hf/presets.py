@@ -138,7 +138,7 @@ def build(name: str, size: str = "test", *, dtype: torch.dtype = torch.float32, 
     return model
 
 
-# ``openmla demo --model NAME`` -> the preset family (None: tiny-v3 / tiny-v32, openmla.hf.demo's own DeepSeek configs)
+# ``openmla demo --model NAME`` -> the preset family (None: tiny-v3 / tiny-v32, openmla_tools.hf.demo's own DeepSeek configs)
 DEMO_MODELS: dict[str, str | None] = {"tiny-v3": None, "tiny-v32": None} | {
     "tiny-" + name.replace("_", "-"): name for name in PRESETS if name not in ("deepseek_v3", "deepseek_v32")
 }

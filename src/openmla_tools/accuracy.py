@@ -39,10 +39,10 @@ import time
 
 import torch
 
-from . import planning
-from .cache import PagedLatentCache
-from .config import preset
-from .formats import QUANTIZED_FORMATS
+from openmla import planning
+from openmla.cache import PagedLatentCache
+from openmla.config import preset
+from openmla.formats import QUANTIZED_FORMATS
 
 L, R = 512, 64
 FORMATS = ("bf16", *QUANTIZED_FORMATS)  # bf16: the baseline every format is also compared with
@@ -160,7 +160,7 @@ def tiny_model(seed: int):
 
 
 def model_run(tokens: int, seed: int, formats: tuple[str, ...]) -> dict:
-    from .hf import attach, detach, forward_step, generate
+    from openmla.hf import attach, detach, forward_step, generate
 
     model = tiny_model(seed)
     g = torch.Generator().manual_seed(seed)

@@ -21,12 +21,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from .cache import PagedLatentCache
-from .config import MLAConfig, preset
-from .flops import fused_op_flops, projection_flops
-from .compat.max import mla_prefill_decode_graph
-from .rope import rope_freqs_cis
-from .timing import matmul_rate, median_time
+from openmla.cache import PagedLatentCache
+from openmla.config import MLAConfig, preset
+from openmla.flops import fused_op_flops, projection_flops
+from openmla.compat.max import mla_prefill_decode_graph
+from openmla.rope import rope_freqs_cis
+from openmla.timing import matmul_rate, median_time
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _layer_pair(cfg: MLAConfig, dtype: torch.dtype, backend: str | None):
     import transformers
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from .layer import LatentAttention
+    from openmla.layer import LatentAttention
 
     ys = cfg.rope_scaling
     rope = None if ys is None else {

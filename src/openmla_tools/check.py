@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference as ref
-from .masks import MaskVariant
-from .compat.max import mla_prefill_decode_graph
+from openmla import reference as ref
+from openmla.masks import MaskVariant
+from openmla.compat.max import mla_prefill_decode_graph
 from .testing import TOL, make_case, rel_err, small_config
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheBatch, PagedLatentCache
-from .config import MLAConfig
-from .rope import rope_freqs_cis
-from .weights import LayerWeights
+from openmla.cache import CacheBatch, PagedLatentCache
+from openmla.config import MLAConfig
+from openmla.rope import rope_freqs_cis
+from openmla.weights import LayerWeights
 
 
 @dataclass

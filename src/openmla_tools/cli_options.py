@@ -1,14 +1,21 @@
 """What every ``openmla`` command's options mean (model dtypes, cache formats) and the console
-they print to; shared by ``openmla.cli`` and ``openmla.hf.cli``."""
+they print to; shared by ``openmla_tools.cli`` and ``openmla_tools.hf.cli``."""
 
 from __future__ import annotations
 
 import argparse
 
 import torch
-from rich.console import Console
 
-from . import hardware
+try:
+    from rich.console import Console
+except ModuleNotFoundError as e:  # a plain ``pip install openmla``: the library without its tools
+    if e.name != "rich":
+        raise
+    raise SystemExit("the openmla command needs the tools extra (rich, matplotlib): "
+                     "pip install -e \".[tools]\" in a clone of openmla (or pip install rich)") from None
+
+from openmla import hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope")

@@ -21,13 +21,13 @@ from typing import Callable
 
 import torch
 
-from .attach import attach, detach
-from .state import attachment
-from .experts import ExpertsChoice, pick_experts_implementation
-from .generate import TokenEvent, stream
-from .presets import DEMO_MODELS, build
-from .scheduler import Limits
-from .stats import GenerationStats
+from openmla.hf.attach import attach, detach
+from openmla.hf.state import attachment
+from openmla.hf.experts import ExpertsChoice, pick_experts_implementation
+from openmla.hf.generate import TokenEvent, stream
+from openmla.hf.presets import DEMO_MODELS, build
+from openmla.hf.scheduler import Limits
+from openmla.hf.stats import GenerationStats
 
 MODELS = tuple(DEMO_MODELS)
 TINY_V32_TOPK = 64  # keys per token: below the demo's prompt lengths, so the selection matters

@@ -8,13 +8,15 @@ import os
 import sys
 
 import torch
+
+# cli_options first: without rich it says which extra to install
+from .cli_options import AUTO_DTYPE_HELP, CACHE_DTYPES, DTYPES, cache_dtype, console, dtype_name, model_dtype
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import hardware
-from .backends import BACKENDS
-from .cli_options import AUTO_DTYPE_HELP, CACHE_DTYPES, DTYPES, cache_dtype, console, dtype_name, model_dtype
-from .config import PRESETS, preset
+from openmla import hardware
+from openmla.backends import BACKENDS
+from openmla.config import PRESETS, preset
 
 
 
@@ -27,7 +29,7 @@ def _si(x: float, unit: str) -> str:
 
 # demo --------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from openmla.demo import run_demo
 
     if args.model != "layer":  # a whole transformers model (openmla.hf)
         from .hf.cli import cmd_model_demo
@@ -38,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     dtype = model_dtype(args)
     grid = None
     if args.tp * args.cp > 1 or os.environ.get("WORLD_SIZE"):  # torchrun: heads over --tp ranks, cache over --cp
-        from .distributed.demo import demo_grid
+        from openmla.distributed.demo import demo_grid
 
         grid = demo_grid(args, console)
     console.print(f"[bold]openmla demo[/]: {cfg.name} attention layer, {cfg.num_heads} heads "
@@ -85,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
     console.print(facts)
     if grid is not None:
-        from .distributed.demo import print_ranks
+        from openmla.distributed.demo import print_ranks
 
         print_ranks(grid, report, console)
     if report.check_error is not None and report.check_error > (2e-2 if dtype != torch.float32 else 1e-4):
@@ -99,7 +101,7 @@ def _available_backends(only: str | None = None) -> list[tuple[str, str]]:
     can run here."""
     out = [("torch", "")]
     if only in (None, "cpu"):  # asking builds the native kernels
-        from .backends.cpu import build
+        from openmla.backends.cpu import build
 
         reason = build.unavailable_reason()
         out.append(("cpu", f"the native kernels did not build: {reason}" if reason else ""))
@@ -147,7 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            page_size=args.page_size, dtype=dtype, cache_dtype=cache_dtype(args), backend=args.backend,
                            baselines=not args.no_baselines,
                            repeats=args.repeats, log=lambda s: console.print(s, highlight=False))
-    from .backends import resolve_backend_name
+    from openmla.backends import resolve_backend_name
 
     ran = resolve_backend_name(args.backend, torch.device("cpu"))
     table = Table(title=f"openmla bench — backend {ran}, {dtype_name(dtype)}, matmul rate {_si(peak, 'FLOP/s')} (this run)")
@@ -177,7 +179,7 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     import time
 
-    from .backends.cpu import build, kernels
+    from openmla.backends.cpu import build, kernels
 
     t0 = time.perf_counter()
     if not build.load(verbose=args.verbose):
@@ -192,7 +194,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 # entry point --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from .hf.presets import DEMO_MODELS  # the whole-model demos (built with transformers when run)
+    from openmla.hf.presets import DEMO_MODELS  # the whole-model demos (built with transformers when run)
 
     p = argparse.ArgumentParser(prog="openmla", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..backends import BACKENDS
+from openmla.backends import BACKENDS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -85,7 +85,7 @@ def load_model(folder: str, dtype: torch.dtype):
 
     import transformers
 
-    from .families import FAMILIES
+    from openmla.hf.families import FAMILIES
 
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         names = json.load(f).get("architectures") or []
@@ -99,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ..cli_options import DTYPES, cache_dtype, console
-    from . import GenerationStats, Limits, Sampling, attach, attachment, stream
+    from openmla.hf import GenerationStats, Limits, Sampling, attach, attachment, stream
 
     folder = args.model_dir
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -227,7 +227,7 @@ def family_dims(family) -> str:
     """The MLA dims of ``family``'s flagship checkpoint (its transformers config class's defaults)."""
     import transformers
 
-    from .presets import PRESETS
+    from openmla.hf.presets import PRESETS
 
     preset = PRESETS.get(family.name) or PRESETS["deepseek_v3"]
     config = getattr(transformers, preset.config_class)().get_text_config()
@@ -248,8 +248,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ..cli_options import console
-    from .families import FAMILIES, REFUSED
-    from .presets import DEMO_MODELS
+    from openmla.hf.families import FAMILIES, REFUSED
+    from openmla.hf.presets import DEMO_MODELS
 
     demos = {family: name for name, family in DEMO_MODELS.items() if family}
     demos.update({"deepseek_v3": "tiny-v3", "deepseek_v32": "tiny-v32"})

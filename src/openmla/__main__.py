@@ -1,7 +1,0 @@
-"""``python -m openmla`` (and ``torchrun -m openmla``): the ``openmla`` command."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``openmla`` command's whole-model verbs (``generate``, ``models``, ``demo --model``), on ``openmla.hf``."""
