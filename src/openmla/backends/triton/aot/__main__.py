@@ -17,7 +17,7 @@ if _common.INTERPRET:
 
 import torch  # noqa: E402
 
-from . import roofline  # noqa: E402
+from . import roofline, summary  # noqa: E402
 from .launches import CACHE_FORMATS, all_cases  # noqa: E402
 from .report import build  # noqa: E402
 from .select import SUBSETS  # noqa: E402
@@ -34,7 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="compile processes")
     p.add_argument("--json", help="write the report (and the roofline) to this file")
     p.add_argument("--no-roofline", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--summary", help="merge the full report's rows into this committed summary (docs/triton_compile_report.json)")
+    a = p.parse_args(argv)
+    if a.summary and (a.select or a.no_launch_hints or a.dtypes != p.get_default("dtypes")
+                      or a.cache_formats != p.get_default("cache_formats")):
+        p.error("--summary takes the full report: no --select, --no-launch-hints, --dtypes or --cache-formats")
+    return a
 
 
 def _resources(r: dict) -> str:
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
+    if a.summary:
+        summary.merge(report, a.summary)
     return 1 if report["failures"] or missing else 0
 
 
