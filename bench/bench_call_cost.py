@@ -94,6 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--callgrind", action="store_true", help="instructions per call under callgrind")
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    ap.add_argument("--ways", nargs="+", default=["op", "plan.decode", "plan.run"])
     ap.add_argument("--inside", default="", help=argparse.SUPPRESS)  # the helper's path, in the callgrind child
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -105,7 +107,7 @@ def main() -> None:
             subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                    f"--callgrind-out-file={tmp}/cg.out", sys.executable, __file__, "--callgrind", "--inside", str(so),
-                   "--calls", str(min(args.calls, 20))]
+                   "--calls", str(min(args.calls, 20)), "--contexts", *map(str, args.contexts), "--ways", *args.ways]
             # valgrind runs no AVX-512: the kernels' AVX2 build, oneDNN capped to match (bf16 then
             # computes in float32, as on an AVX2 CPU)
             env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENMLA_CPU_ISA="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
@@ -133,9 +135,11 @@ def main() -> None:
     if cg:
         cg.cg_instrument()
     res: dict = {"calls": {}, "instructions_per_call": {}, "us_per_call": {}, "loadavg": os.getloadavg()}
-    for cached in CONTEXTS:
+    for cached in args.contexts:
         fns = setup(cached)
         for way, fn in fns.items():
+            if way not in args.ways:
+                continue
             name = f"{way}@{cached}"
             fn()
             fn()

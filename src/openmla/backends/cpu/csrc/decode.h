@@ -322,10 +322,12 @@ struct DecodeKernel {
   }
 
   // P x V with V packed from w.rows (VNNI pairs for bf16) unless ``packed`` already in Vp.
+  // float32 products take the keys in multiples of 8 (brgemm builds one kernel per size: at most
+  // 32 of them), so a short context is not padded to 32 keys; bf16 keeps 32-key blocks.
   void pv_packed(Unit& w, int64_t rows, T* Vp, bool packed) const {
-    const int64_t n_pad = round_up(rows, 32);
-    if (!packed) pack_b_rows<T>(w.rows, rows, n_pad, L(), Vp);
-    mm(w, w.M, L(), n_pad, n_pad, L(), L(), true, w.P, Vp, w.O);
+    const int64_t n_pad = round_up(rows, 32), k = std::is_same_v<T, float> ? round_up(rows, 8) : n_pad;
+    if (!packed) pack_b_rows<T>(w.rows, rows, k, L(), Vp);
+    mm(w, w.M, L(), k, n_pad, L(), L(), true, w.P, Vp, w.O);
   }
 
   // Dense keys in blocks; pages read in place (bf16) or entries converted into a key buffer.
@@ -351,7 +353,7 @@ struct DecodeKernel {
           a.cache.load<T>(a.cache.logical(u.b, kb.base + r), keys + r * D, 0, D);
           w.rows[r] = keys + r * D;
         }
-        mm(w, round_up(kb.rows, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
+        mm(w, round_up(kb.rows, std::is_same_v<T, float> ? 8 : 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
       }
       block_columns(w, kb);
       softmax(w, kb.rows);
