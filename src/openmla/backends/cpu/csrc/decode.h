@@ -9,7 +9,8 @@
 //   O[M, L] += P x V                          (V = the first L key columns, packed for B)
 // Parts of one row group are merged by LSE by whichever unit finishes last, so a call is one
 // parallel region. Dense units over an fp8 cache with float32 products run decode_reg.h's tiles
-// instead (fp8 dequantised next to the products, no key buffer).
+// instead (fp8 dequantised next to the products, no key buffer); bf16 products on a CPU with
+// AVX512-BF16 and without AMX run decode_tiles.h's register tiles (no brgemm, no V pack).
 #pragma once
 
 #include "amx.h"
