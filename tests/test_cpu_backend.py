@@ -327,6 +327,23 @@ def test_bf16_tiles_sparse(bf16_tiles, physical, H):
     check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
 
 
+def test_isa_cap_builds_for_less(monkeypatch):
+    """OPENMLA_CPU_ISA=avx2 compiles without AVX-512 or AMX (at::vec at 256 bits) under its own key,
+    so the AVX2 paths can run on a newer CPU; unset, the CPU's own flags decide."""
+    from openmla.backends.cpu import build
+
+    flags = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile"]
+    monkeypatch.delenv("OPENMLA_CPU_ISA", raising=False)
+    native, key = build.compile_flags(flags), build.build_key()
+    assert "-DCPU_CAPABILITY_AVX512" in native and "-mno-avx512f" not in native
+    monkeypatch.setenv("OPENMLA_CPU_ISA", "avx2")
+    capped = build.compile_flags(flags)
+    assert "-DCPU_CAPABILITY_AVX2" in capped and "-mno-avx512f" in capped and "-mno-amx-tile" in capped
+    assert "-DCPU_CAPABILITY_AVX512" not in capped and build.build_key() != key
+    monkeypatch.setenv("OPENMLA_CPU_ISA", "avx512")
+    assert "-DCPU_CAPABILITY_AVX512" in build.compile_flags(flags) and "-mno-amx-tile" in build.compile_flags(flags)
+
+
 # fp8 caches: dense decode dequantises next to the products (decode_reg.h: float32 products on
 # AVX2 + F16C builds), sparse units and bf16 products convert key blocks into a buffer ------------
 FP8_FORMATS = ["fp8_e4m3", "fp8_ds_mla"]
