@@ -334,7 +334,7 @@ def _verified(model: nn.Module, checked: Checked, page_size: int, backend: str |
     indexer = next((m.indexer for m in modules if getattr(m, "indexer", None) is not None), None)
     topk = int(getattr(indexer, "index_topk", 0) or 0)
     steps = check_steps(int(checked.hf_config.vocab_size), topk, sorted(media_token_ids(family, model) or ()))
-    inputs = check_inputs(steps, modules, checked.configs[0].hidden_size, weight.dtype, weight.device)
+    inputs = check_inputs(steps, modules, checked.configs[0].hidden_size)
     want = transformers_outputs(model, modules, steps, inputs)
     first = None
     for reading in _rope_readings(checked):

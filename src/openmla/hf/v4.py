@@ -249,7 +249,7 @@ def _verify(model: nn.Module, config: Any, layers: nn.ModuleList, page_size: int
     weight = modules[0].kv_proj.weight
     topk = int(getattr(config, "index_topk", 0) or 0) if CSA in {m.layer_type for m in modules} else 0
     steps = check_steps(int(config.vocab_size), topk)
-    inputs = check_inputs(steps, modules, int(config.hidden_size), weight.dtype, weight.device)
+    inputs = check_inputs(steps, modules, int(config.hidden_size))
     want = transformers_outputs(model, modules, steps, inputs)
     cache = _seat(model, config, layers, -(-steps.total // page_size) + 1, page_size, backend, None)
     key = ("openmla.hf.verify", id(model))

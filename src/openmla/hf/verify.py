@@ -66,11 +66,12 @@ def check_steps(vocab_size: int, index_topk: int = 0, banned: Sequence[int] = ()
     return CheckSteps((ids[:prefix], ids[prefix:prefix + chunk], ids[prefix + chunk:]), names)
 
 
-def check_inputs(steps: CheckSteps, modules: Sequence[nn.Module], hidden: int, dtype: torch.dtype,
-            device: torch.device) -> list[list[torch.Tensor]]:
-    """Per step and module, the hidden states that module receives in both runs: ``[1, T, hidden]``."""
+def check_inputs(steps: CheckSteps, modules: Sequence[nn.Module], hidden: int) -> list[list[torch.Tensor]]:
+    """Per step and module, the hidden states that module receives in both runs: ``[1, T, hidden]`` on the
+    module's own device and in its dtype (a model split over devices keeps each layer where it is)."""
     g = torch.Generator().manual_seed(_SEED + 1)
-    return [[torch.randn(1, int(ids.numel()), hidden, generator=g).to(device=device, dtype=dtype) for _ in modules]
+    where = [next(m.parameters()) for m in modules]
+    return [[torch.randn(1, int(ids.numel()), hidden, generator=g).to(device=w.device, dtype=w.dtype) for w in where]
             for ids in steps.ids]
 
 
@@ -105,7 +106,7 @@ def _seated(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> Ite
 def transformers_outputs(model: nn.Module, modules: Sequence[nn.Module], steps: CheckSteps,
                          inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor | None]]:
     """Each module's output at each step, as transformers runs the model (its own cache across the steps)."""
-    device = inputs[0][0].device
+    device = model.get_input_embeddings().weight.device
     # transformers 5.25 renamed the forward's and outputs' ``past_key_values`` to ``cache`` (the old name warns)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     past, outs = None, []
