@@ -59,7 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import openmla  # noqa: E402
 from openmla import PagedLatentCache, preset, rope_freqs_cis  # noqa: E402
-from openmla.flops import fused_op_flops  # noqa: E402
+from openmla_tools.flops import fused_op_flops  # noqa: E402
 from openmla_tools.testing import make_case, small_config  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

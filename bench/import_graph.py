@@ -18,9 +18,10 @@ import itertools
 import pathlib
 import sys
 
+# Tools inside openmla (band 6): what was there before openmla_tools (an older checkout reads the same), and the compile report.
 TOOLS = ("openmla.cli", "openmla.cli_options", "openmla.demo", "openmla.benchmarks", "openmla.check", "openmla.accuracy",
          "openmla.testing", "openmla.__main__", "openmla.distributed.demo", "openmla.hf.cli", "openmla.hf.demo",
-         "openmla.backends.triton.aot")
+         "openmla.timing", "openmla.flops", "openmla.backends.triton.aot")
 
 
 TOOLS_ONLY = ("rich", "matplotlib")  # the tools extra's dependencies: no library module may import them

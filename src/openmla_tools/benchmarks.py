@@ -23,10 +23,10 @@ import torch
 
 from openmla.cache import PagedLatentCache
 from openmla.config import MLAConfig, preset
-from openmla.flops import fused_op_flops, projection_flops
+from .flops import fused_op_flops, projection_flops
 from openmla.compat.max import mla_prefill_decode_graph
 from openmla.rope import rope_freqs_cis
-from openmla.timing import matmul_rate, median_time
+from .timing import matmul_rate, median_time
 
 
 @dataclass

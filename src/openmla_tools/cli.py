@@ -29,7 +29,7 @@ def _si(x: float, unit: str) -> str:
 
 # demo --------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from openmla.demo import run_demo
+    from .demo import run_demo
 
     if args.model != "layer":  # a whole transformers model (openmla.hf)
         from .hf.cli import cmd_model_demo
@@ -40,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     dtype = model_dtype(args)
     grid = None
     if args.tp * args.cp > 1 or os.environ.get("WORLD_SIZE"):  # torchrun: heads over --tp ranks, cache over --cp
-        from openmla.distributed.demo import demo_grid
+        from .distributed.demo import demo_grid
 
         grid = demo_grid(args, console)
     console.print(f"[bold]openmla demo[/]: {cfg.name} attention layer, {cfg.num_heads} heads "
@@ -87,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     facts.add_row("wall time", f"{report.wall_seconds:.1f} s")
     console.print(facts)
     if grid is not None:
-        from openmla.distributed.demo import print_ranks
+        from .distributed.demo import print_ranks
 
         print_ranks(grid, report, console)
     if report.check_error is not None and report.check_error > (2e-2 if dtype != torch.float32 else 1e-4):

@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-from .cache import CacheBatch, CacheFullError, PagedLatentCache
-from .config import MLAConfig
+from openmla.cache import CacheBatch, CacheFullError, PagedLatentCache
+from openmla.config import MLAConfig
 from .flops import fused_op_flops, projection_flops
-from .layer import LatentAttention
-from .ops import DECODE_MAX_Q_LEN
+from openmla.layer import LatentAttention
+from openmla.ops import DECODE_MAX_Q_LEN
 from .timing import matmul_rate
 
 
@@ -166,10 +166,11 @@ def run_demo(
         cache = sharded_cache(grid, config, num_pages, page_size, cache_dtype or dtype, max_running, interleave)
     waiting = deque(Request(i, rng.randint(*prompt_range), rng.randint(*gen_range)) for i in range(num_requests))
     running: dict[int, Request] = {}
-    from .backends import resolve_backend_name
+    from openmla.backends import resolve_backend_name
 
     report = DemoReport(config, resolve_backend_name(backend, torch.device("cpu")), dtype, matmul_rate(dtype=dtype),
-                        copy_bytes_per_s=copy_bandwidth(), num_pages=cache.num_pages, page_size=page_size, requests=num_requests, cache_format=cache.cache_format,
+                        copy_bytes_per_s=copy_bandwidth(), num_pages=cache.num_pages, page_size=page_size, requests=num_requests,
+                        cache_format=cache.cache_format,
                         bytes_per_token=cache.bytes_per_token, storage_bytes=cache.blocks.numel() * cache.blocks.element_size())
     hidden_std = 1.0
     weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .config import MLAConfig
+from openmla.config import MLAConfig
 
 
 def visible_keys(cache_lens: Sequence[int], new_lens: Sequence[int], causal: bool = True) -> int:

@@ -12,11 +12,11 @@ import datetime
 
 import torch.distributed as dist
 
-from ..config import MLAConfig
-from ..layer import LatentAttention
-from .cp import ContextParallelCache
-from .groups import Grid, init_grid, launched_by_torchrun
-from .tp import TensorParallelAttention
+from openmla.config import MLAConfig
+from openmla.layer import LatentAttention
+from openmla.distributed.cp import ContextParallelCache
+from openmla.distributed.groups import Grid, init_grid, launched_by_torchrun
+from openmla.distributed.tp import TensorParallelAttention
 
 
 def demo_grid(args: argparse.Namespace, console) -> Grid | None:

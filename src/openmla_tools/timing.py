@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .hardware import fast_matmul
+from openmla.hardware import fast_matmul
 
 
 def sync(device: torch.device | str = "cpu") -> None:
