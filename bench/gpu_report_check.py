@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from openmla.backends.triton.aot.compile import Task, compile_many  # noqa: E402
 from openmla.backends.triton.aot.launches import all_cases, record  # noqa: E402
 from openmla.backends.triton.aot.report import labels  # noqa: E402
-from openmla.backends.triton.aot.select import SUBSETS, matches  # noqa: E402
+from openmla.backends.triton.aot.select import SUBSETS, Heaviest, matches  # noqa: E402
 from openmla.backends.triton.aot.specialize import specialize  # noqa: E402
 from openmla.backends.triton.aot.targets import TARGETS  # noqa: E402
 
@@ -43,17 +43,21 @@ def real_launch(launch) -> dict:
     return {"regs": kernel.n_regs, "stack": kernel.n_spills * 4, "smem": kernel.metadata.shared}
 
 
-def selected(target: str, select: list[dict] | None) -> list:
-    """The report's launches on CUDA tensors, one per distinct binary, that ``select`` keeps."""
-    out, seen = [], set()
+def selected(target: str, select: list[dict] | Heaviest | None) -> list:
+    """The report's launches on CUDA tensors, one per distinct binary, that ``select`` keeps (selectors, or a rule
+    applied to all of them)."""
+    found, seen = [], set()
     for case in all_cases(DTYPES):
         for launch in record(case, "nvidia", device="cuda"):
             spec = specialize(launch, TARGETS[target])
             key = spec.key(launch.name)
-            if key not in seen and (select is None or matches({"kernel": launch.name, "target": target, **labels(launch, spec)}, select)):
+            if key not in seen:
                 seen.add(key)
-                out.append((launch, spec))
-    return out
+                found.append((launch, spec, {"kernel": launch.name, "target": target, **labels(launch, spec)}))
+    if isinstance(select, Heaviest):
+        chosen = select.choose([row for _, _, row in found])
+        return [(launch, spec) for launch, spec, row in found if (row["target"], row["id"]) in chosen]
+    return [(launch, spec) for launch, spec, row in found if select is None or matches(row, select)]
 
 
 def compare(target: str, select: list[dict] | None, jobs: int) -> list[dict]:

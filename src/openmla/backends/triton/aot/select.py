@@ -74,21 +74,6 @@ class Heaviest:
         new = {(c["target"], c["id"]) for c in candidates} - measured
         return self.heaviest() | new
 
-    _chosen: set | None = None
-
-    def chosen(self) -> set[tuple[str, str]]:
-        """The rule over the report's own launches (every case, every target), computed once."""
-        if self._chosen is None:
-            import torch
-
-            from .launches import all_cases
-            from .report import candidates
-            from .targets import TARGETS
-
-            cases = all_cases((torch.bfloat16, torch.float16, torch.float32))
-            self._chosen = self.choose(candidates(cases, list(TARGETS), hints=True))
-        return self._chosen
-
 
 SUBSETS: dict[str, Heaviest | list[dict]] = {"ci": Heaviest()}
 
@@ -103,8 +88,7 @@ def _match_one(row: dict, selector: dict) -> bool:
     return True
 
 
-def matches(row: dict, selectors: list[dict] | Heaviest) -> bool:
-    """Whether ``row`` (its labels, ``id`` among them, for a rule) is in the subset."""
-    if isinstance(selectors, Heaviest):
-        return (row["target"], row["id"]) in selectors.chosen()
+def matches(row: dict, selectors: list[dict]) -> bool:
+    """Whether ``row`` (its labels) is kept by one of the hand-written ``selectors`` (a rule, ``Heaviest``, is
+    applied to a whole candidate list: ``Heaviest.choose``, as ``report.tasks_for`` does)."""
     return any(_match_one(row, s) for s in selectors)
