@@ -194,17 +194,23 @@ def own_amx():
     ops.set_own_amx(True)
 
 
-def check_own_and_brgemm(ops, case: Case, q_abs: torch.Tensor, **kw):
-    """Decode on the micro-kernel (which must run) and on brgemm, each against the reference."""
-    before = ops.own_amx_units()
-    own, own_lse = check_decode(case, q_abs, **kw)
-    assert ops.own_amx_units() > before, "the own AMX kernel did not run"
-    ops.set_own_amx(False)
+def check_against_brgemm(ops, kernel: str, case: Case, q_abs: torch.Tensor, **kw):
+    """Decode on openmla's own ``kernel`` ("own_amx" or "bf16_tiles": it must run) and, switched off, on brgemm,
+    each against the reference."""
+    units, switch = getattr(ops, f"{kernel}_units"), getattr(ops, f"set_{kernel}")
+    before = units()
+    own, _ = check_decode(case, q_abs, **kw)
+    assert units() > before, f"{kernel} did not run"
+    switch(False)
     try:
-        plain, plain_lse = check_decode(case, q_abs, **kw)
+        plain, _ = check_decode(case, q_abs, **kw)
     finally:
-        ops.set_own_amx(True)
-    assert_close(own, plain, 1e-2, "own AMX vs brgemm", case.seed)
+        switch(True)
+    assert_close(own, plain, 1e-2, f"{kernel} vs brgemm", case.seed)
+
+
+def check_own_and_brgemm(ops, case: Case, q_abs: torch.Tensor, **kw):
+    check_against_brgemm(ops, "own_amx", case, q_abs, **kw)
 
 
 @pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
@@ -267,16 +273,7 @@ def bf16_tiles():
 
 
 def check_tiles_and_brgemm(ops, case: Case, q_abs: torch.Tensor, **kw):
-    """Decode on the register tiles (which must run) and on brgemm, each against the reference."""
-    before = ops.bf16_tiles_units()
-    tiles, _ = check_decode(case, q_abs, **kw)
-    assert ops.bf16_tiles_units() > before, "the bf16 register tiles did not run"
-    ops.set_bf16_tiles(False)
-    try:
-        plain, _ = check_decode(case, q_abs, **kw)
-    finally:
-        ops.set_bf16_tiles(True)
-    assert_close(tiles, plain, 1e-2, "tiles vs brgemm", case.seed)
+    check_against_brgemm(ops, "bf16_tiles", case, q_abs, **kw)
 
 
 @pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
