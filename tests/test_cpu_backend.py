@@ -194,6 +194,20 @@ def own_amx():
     ops.set_own_amx(True)
 
 
+def random_picks(case: Case, width: int, physical: bool) -> torch.Tensor:
+    """``width`` random top-k picks per query token (about a fifth -1), physical cache rows or logical positions."""
+    g = torch.Generator().manual_seed(case.seed + 2)
+    b = case.batch
+    T = sum(b.new_tokens_list)
+    if physical:
+        idx = torch.randint(0, b.num_pages * b.page_size, (T, width), generator=g)
+    else:
+        seq = torch.repeat_interleave(torch.arange(b.batch_size), torch.tensor(b.new_tokens_list))
+        idx = (torch.rand(T, width, generator=g) * torch.tensor(b.seq_lens_list)[seq][:, None]).long()
+    idx[torch.rand(T, width, generator=g) < 0.2] = -1
+    return idx
+
+
 def check_against_brgemm(ops, kernel: str, case: Case, q_abs: torch.Tensor, **kw):
     """Decode on openmla's own ``kernel`` ("own_amx" or "bf16_tiles": it must run) and, switched off, on brgemm,
     each against the reference."""
@@ -250,15 +264,7 @@ def test_own_amx_decode_fp8_sinks(own_amx, cache_dtype):
 @pytest.mark.parametrize("physical", [True, False])
 def test_own_amx_sparse(own_amx, physical):
     case = make_case([0, 40, 90, 7], [2, 1, 3, 1], config=small_config(num_heads=32, **TILED), dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(case.seed + 2)
-    b = case.batch
-    T = sum(b.new_tokens_list)
-    if physical:
-        idx = torch.randint(0, b.num_pages * b.page_size, (T, 40), generator=g)
-    else:
-        seq = torch.repeat_interleave(torch.arange(b.batch_size), torch.tensor(b.new_tokens_list))
-        idx = (torch.rand(T, 40, generator=g) * torch.tensor(b.seq_lens_list)[seq][:, None]).long()
-    idx[torch.rand(T, 40, generator=g) < 0.2] = -1
+    idx = random_picks(case, 40, physical)
     check_own_and_brgemm(own_amx, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
 
 
@@ -312,15 +318,7 @@ def test_bf16_tiles_quantized_caches(bf16_tiles, cache_dtype):
 @pytest.mark.parametrize("H", [5, 32])
 def test_bf16_tiles_sparse(bf16_tiles, physical, H):
     case = make_case([0, 40, 90, 7], [2, 1, 3, 1], config=small_config(num_heads=H, **TILED), dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(case.seed + 2)
-    b = case.batch
-    T = sum(b.new_tokens_list)
-    if physical:
-        idx = torch.randint(0, b.num_pages * b.page_size, (T, 41), generator=g)
-    else:
-        seq = torch.repeat_interleave(torch.arange(b.batch_size), torch.tensor(b.new_tokens_list))
-        idx = (torch.rand(T, 41, generator=g) * torch.tensor(b.seq_lens_list)[seq][:, None]).long()
-    idx[torch.rand(T, 41, generator=g) < 0.2] = -1
+    idx = random_picks(case, 41, physical)
     check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
 
 
