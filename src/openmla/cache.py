@@ -1,9 +1,12 @@
-"""Paged latent KV cache: storage, page allocator and the per-call batch view.
+"""Paged latent KV cache: storage, page allocator and the per-call batch view (the step's metadata).
 
 One cache entry per token and layer holds ``L + R`` values: the RMS-normalised
 latent then the RoPE'd key rope part. Storage is ``blocks[num_layers, num_pages,
-page_size, L+R]``; all layers share one page allocator, so logical page ``j`` of a
-sequence is the same physical page in every layer.
+page_size, W]`` (W = L+R values, or a record format's bytes); all layers share one page
+allocator, so logical page ``j`` of a sequence is the same physical page in every layer.
+How entries are stored (quantised) and read back is the format object's
+(``CacheBatch.format``, ``openmla.formats``); ``CacheBatch.read_rows`` / ``write_rows`` hand
+the batch's layer storage, latent width and scale to it.
 """
 
 from __future__ import annotations
@@ -19,12 +22,11 @@ import numpy as np
 import torch
 
 from .basics import FLOAT_DTYPES, INDEX_DTYPES, fail
-from .formats import CACHE_FORMATS, QUANTIZED_FORMATS, RECORDS
-from .fp8 import FP8, quantize_e4m3
+from .formats import CACHE_FORMATS, FORMATS, QUANTIZED_FORMATS, RECORDS, STORAGE_DTYPES, CacheFormat  # noqa: F401 (STORAGE_DTYPES: re-exported)
+from .fp8 import FP8
 
 # Storage dtypes of a native cache (what every backend computes in); metadata: basics.INDEX_DTYPES.
 NATIVE_DTYPES = FLOAT_DTYPES
-STORAGE_DTYPES = {"native": NATIVE_DTYPES, "fp8_e4m3": (FP8,), **{name: (torch.uint8,) for name in RECORDS}}
 INT32_MAX = 2**31 - 1  # metadata, positions and physical rows are int32 in the kernels
 
 
@@ -77,14 +79,6 @@ class PageAllocator:
         self._free.extend(sorted(pages, reverse=True))
 
 
-def _select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t.index_select(0, index)``, through a byte view for float8 (torch has no fp8 kernel)."""
-    index = index.to(t.device).long()
-    if t.dtype == FP8:
-        return t.view(torch.uint8).index_select(0, index).view(FP8)
-    return t.index_select(0, index)
-
-
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
@@ -111,29 +105,33 @@ class Ticket:
     new_tokens: tuple[int, ...]
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: openmla.kept_plans keys the plans it keeps by this object
 class HostLists:
     """Host copies of a batch's metadata, read from the device once (planning must not sync per
-    sequence), and the plans the MAX-named ops keep for the batch (``openmla.compat.max``)."""
+    sequence). ``refills`` counts ``refill`` calls: what is kept per lists object (the MAX-named
+    ops' plans, ``openmla.kept_plans``) is dropped when it changes."""
 
     cache_lengths: list[int] | None = None
     offsets: list[int] | None = None
     max_position: int | None = None
-    kept_plans: dict = field(default_factory=dict)
+    refills: int = 0
 
     def copy(self) -> "HostLists":
-        """The same lists, without kept plans (for a batch over the same metadata)."""
+        """The same lists in a new object (for a batch over the same metadata; nothing kept for this one comes along)."""
         return HostLists(self.cache_lengths, self.offsets, self.max_position)
 
     def refill(self, other: "HostLists") -> None:
-        """Take ``other``'s lists (a plan refilled in place for the next step); kept plans are dropped."""
+        """Take ``other``'s lists (a plan refilled in place for the next step)."""
         self.cache_lengths, self.offsets, self.max_position = other.cache_lengths, other.offsets, other.max_position
-        self.kept_plans.clear()
+        self.refills += 1
 
 
 @dataclass
 class CacheBatch:
-    """The view of the cache one forward call works on (MAX's ``kv_collection``).
+    """The view of the cache one forward call works on (MAX's ``kv_collection``): the step's
+    metadata over the cache storage. Entries are stored and read back by the format object
+    (``format``, ``openmla.formats``); ``read_rows`` / ``read_pages`` / ``write_rows`` hand it this
+    batch's layer storage, latent width and scale.
 
     - ``blocks``: ``[num_layers, num_pages, page_size, L+R]`` storage (shared, written in place).
     - ``block_table``: int32 ``[B, max_pages]``; entry ``[b, j]`` is the physical page of logical
@@ -168,11 +166,12 @@ class CacheBatch:
         """Field checks (host facts only: no device read, no sync)."""
         if not isinstance(self.cache_format, str) or self.cache_format not in CACHE_FORMATS:
             fail("kv_collection.cache_format", f"expected one of {CACHE_FORMATS}, got {self.cache_format!r}")
+        fmt = FORMATS[self.cache_format]
         blocks = self.blocks
         if not isinstance(blocks, torch.Tensor) or blocks.dim() != 4:
             fail("kv_collection.blocks", f"expected a 4-D tensor [num_layers, num_pages, page_size, width], got {_describe(blocks)}")
-        if blocks.dtype not in STORAGE_DTYPES[self.cache_format]:
-            fail("kv_collection.blocks", f"a {self.cache_format} cache is stored as one of {[str(d) for d in STORAGE_DTYPES[self.cache_format]]}, "
+        if blocks.dtype not in fmt.storage:
+            fail("kv_collection.blocks", f"a {self.cache_format} cache is stored as one of {[str(d) for d in fmt.storage]}, "
                  f"got {blocks.dtype}")
         dev = blocks.device
         if not index_tensors_ok(dev, (self.block_table, 2), (self.cache_lengths, 1), (self.input_row_offsets, 1)):
@@ -186,17 +185,16 @@ class CacheBatch:
             fail("kv_collection.page_size", f"must be the int blocks.shape[2] = {blocks.shape[2]}, got {self.page_size!r}")
         if not isinstance(self.seq_ids, tuple) or len(self.seq_ids) not in (0, B):
             fail("kv_collection.seq_ids", f"expected a tuple of 0 or {B} ids, got {self.seq_ids!r}")
-        if self.kv_scale is not None or self.cache_format == "fp8_e4m3":
+        if self.kv_scale is not None or fmt.scaled:
             k = self.kv_scale
             if not isinstance(k, torch.Tensor) or k.dtype != torch.float32 or tuple(k.shape) != (blocks.shape[0],) or k.device != dev:
                 fail("kv_collection.kv_scale", f"expected a float32 [{blocks.shape[0]}] tensor on {dev} (one scale per layer), got {_describe(k)}")
-        record = RECORDS.get(self.cache_format)
-        if self.rope_dim is not None or record is not None:
+        if self.rope_dim is not None or fmt.is_record:
             R = self.rope_dim
             if isinstance(R, bool) or not isinstance(R, int) or R < 0:
                 fail("kv_collection.rope_dim", f"expected an int >= 0 (the rope width R), got {R!r}")
-            if record is not None and not record.fits(int(blocks.shape[3]), R):
-                why = record.shape_error(record.latent_rank(int(blocks.shape[3]), R), R)
+            if fmt.is_record and not fmt.fits(int(blocks.shape[3]), R):
+                why = fmt.shape_error(fmt.latent_rank(int(blocks.shape[3]), R), R)
                 fail("kv_collection.rope_dim", f"{R} does not split {blocks.shape[3]}-byte {self.cache_format} records into a latent and "
                      f"a rope part the format holds{f' ({why[1]})' if why else ''}")
         if self.ticket is not None and not isinstance(self.ticket, Ticket):
@@ -261,12 +259,19 @@ class CacheBatch:
         return int(self.blocks.shape[1])
 
     @property
+    def format(self) -> CacheFormat:
+        """The cache format's object (``openmla.formats``): bytes, write, read, kernel code."""
+        return FORMATS[self.cache_format]
+
+    @property
     def head_dim(self) -> int:
         """Logical entry width L+R (the stored record may be wider or narrower in bytes)."""
-        record = RECORDS.get(self.cache_format)
-        if record is not None:
-            return record.latent_rank(int(self.blocks.shape[3]), self.rope_dim) + self.rope_dim
-        return int(self.blocks.shape[3])
+        return self.format.entry_width(int(self.blocks.shape[3]), self.rope_dim)
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """L, the latent width of an entry."""
+        return self.head_dim - (self.rope_dim or 0)
 
     @property
     def is_native(self) -> bool:
@@ -275,42 +280,27 @@ class CacheBatch:
     @property
     def compute_dtype(self) -> torch.dtype:
         """dtype entries are read in: the storage dtype, or bfloat16 for the quantised formats."""
-        return self.blocks.dtype if self.is_native else torch.bfloat16
+        return self.format.compute_dtype(self.blocks.dtype)
 
-    # Format-aware access: every backend may use these; native caches can also be indexed directly.
+    def layer_scale(self, layer_idx: int) -> torch.Tensor | None:
+        """The float32 scale of layer ``layer_idx`` (a scaled format's, else None)."""
+        return self.kv_scale[layer_idx] if self.format.scaled else None
+
+    # Format-aware access (the format object's, on this batch's layer): every backend may use these;
+    # native caches can also be indexed directly.
     def read_rows(self, layer_idx: int, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Entries ``[n, L+R]`` at physical rows, dequantised, in ``dtype`` (default ``compute_dtype``)."""
-        flat = self.blocks[layer_idx].reshape(-1, self.blocks.shape[3])
-        return self._decode(layer_idx, _select(flat, rows), dtype)
+        return self.format.read(self.blocks[layer_idx], rows, self.kv_lora_rank, dtype or self.compute_dtype,
+                                self.layer_scale(layer_idx))
 
     def read_pages(self, layer_idx: int, pages: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Entries ``[n_pages, page_size, L+R]`` of whole physical pages, dequantised."""
-        return self._decode(layer_idx, _select(self.blocks[layer_idx], pages), dtype)
-
-    def _decode(self, layer_idx: int, stored: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        dtype = dtype or self.compute_dtype
-        if self.cache_format == "fp8_e4m3":
-            wide = torch.float64 if dtype == torch.float64 else torch.float32  # fp8 * fp32 scale is exact in float64
-            return (stored.to(wide) * self.kv_scale[layer_idx].to(wide)).to(dtype)
-        record = RECORDS.get(self.cache_format)
-        if record is not None:
-            return record.unpack(stored, self.head_dim - self.rope_dim, dtype)
-        return stored.to(dtype)
+        return self.format.read_pages(self.blocks[layer_idx], pages, self.kv_lora_rank, dtype or self.compute_dtype,
+                                      self.layer_scale(layer_idx))
 
     def write_rows(self, layer_idx: int, rows: torch.Tensor, entries: torch.Tensor) -> None:
         """Store float ``entries [n, L+R]`` at physical rows, quantising for the quantised formats."""
-        flat = self.blocks[layer_idx].view(-1, self.blocks.shape[3])
-        if self.cache_format == "fp8_e4m3":
-            stored = quantize_e4m3(entries, self.kv_scale[layer_idx])
-        elif self.cache_format in RECORDS:
-            stored = RECORDS[self.cache_format].pack(entries, self.head_dim - self.rope_dim)
-        else:
-            stored = entries.to(flat.dtype)
-        rows = rows.to(flat.device).long()
-        if flat.dtype == FP8:  # torch has no fp8 index_copy_: move the bytes
-            flat.view(torch.uint8).index_copy_(0, rows, stored.to(flat.device).view(torch.uint8))
-        else:
-            flat.index_copy_(0, rows, stored.to(flat.device))
+        self.format.write(self.blocks[layer_idx], rows, entries, self.kv_lora_rank, self.layer_scale(layer_idx))
 
     # Addressing (the one definition of a token's position and physical row) -----------------
     def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,7 +441,7 @@ class PagedLatentCache:
             why = record.shape_error(L, rope_dim)
             if why is not None:
                 raise ValueError(f"{why[0]}: {why[1]}")
-            self.cache_format, width, storage = dtype, record.record_bytes(L, rope_dim), torch.uint8
+            self.cache_format, width, storage = dtype, record.row_width(L, rope_dim), torch.uint8
         elif (isinstance(dtype, str) and dtype == "fp8_e4m3") or dtype is FP8:
             self.cache_format, width, storage = "fp8_e4m3", head_dim, FP8
         elif isinstance(dtype, torch.dtype) and dtype in NATIVE_DTYPES:

@@ -1,4 +1,8 @@
-"""The plan of a MAX-named op (``openmla.compat.max``), kept on its ``CacheBatch`` (checks once per metadata object).
+"""The plan of a MAX-named op (``openmla.compat.max``), kept for its ``CacheBatch`` (checks once per metadata object).
+
+The plans are kept here, not on the batch: a weak mapping from the batch's host lists
+(``CacheBatch._host``, shared by the batch's shallow copies, as the batch's metadata is) to the
+plans made for it; they go with that object, and a ``HostLists.refill`` drops them.
 
 Every layer of a step calls the one-shot ops with the same batch and options; the first call
 validates and plans, the next ones reuse that plan after checking that the batch still holds the
@@ -9,12 +13,13 @@ numpy view count too). Anything changed, or per-call tensor options, plan again.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import NamedTuple
 
 import torch
 
 from .backends import load_backend, resolve_backend_name
-from .cache import CacheBatch
+from .cache import CacheBatch, HostLists
 from .planning import MLAPlan, plan
 
 __all__ = ["kept_plan"]
@@ -22,6 +27,7 @@ __all__ = ["kept_plan"]
 _TENSOR_OPTIONS = ("sparse_indices", "topk_lengths", "attn_sink")  # per-call tensors: planned every call
 _METADATA = ("block_table", "cache_lengths", "input_row_offsets")  # compared by value
 _KEPT_PLANS = 4  # option sets remembered per batch
+_kept: "weakref.WeakKeyDictionary[HostLists, tuple[int, dict]]" = weakref.WeakKeyDictionary()  # host lists -> (refills, plans)
 
 
 class _Kept(NamedTuple):
@@ -60,7 +66,7 @@ def kept_plan(kv_collection: object, scale: object, options: dict) -> MLAPlan:
         hash(key)
     except (AttributeError, TypeError, ValueError):  # a bad option or batch: plan() names it
         return plan(kv_collection, scale=scale, **options)
-    kept = kv_collection._host.kept_plans
+    kept = _plans_for(kv_collection._host)
     hit = kept.get(key)
     if hit is not None and _same(kv_collection, hit):
         return hit.plan
@@ -73,3 +79,11 @@ def kept_plan(kv_collection: object, scale: object, options: dict) -> MLAPlan:
         kept.clear()
     kept[key] = _Kept(step, fields, metadata)
     return step
+
+
+def _plans_for(host: HostLists) -> dict:
+    """The plans kept for the batches over ``host`` (emptied when ``host`` was refilled since)."""
+    entry = _kept.get(host)
+    if entry is None or entry[0] != host.refills:
+        entry = _kept[host] = (host.refills, {})
+    return entry[1]

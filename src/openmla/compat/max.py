@@ -13,7 +13,7 @@ Modular MAX's MLA kernels are called with loose per-layer arguments and a ``Cach
 | ``mla_prefill_plan`` | the chunk plan as MAX's int32 tensors |
 | ``MlaConfigV2`` | the tile configuration of ``mla_prefill_v2_ragged`` |
 
-The plan is kept on the ``CacheBatch`` (``openmla.kept_plans``: sanity checks once per metadata
+The plan is kept for the ``CacheBatch`` (``openmla.kept_plans``: sanity checks once per metadata
 object): the next call with the same batch and options, as every layer of a step makes, reuses
 it after checking that the batch still holds the same storage and metadata (compared by value:
 anything changed in place is validated and planned again). A model can also make one plan per
