@@ -16,7 +16,9 @@ shuffled order, ``--reps`` rounds; fractions are best round against best probe, 
 JSON.
 
 ``--ab`` loads the test build and times every shape twice per round, with the register-tiled
-kernel on and off (``set_bf16_tiles``): the before/after of issue 35 in one process.
+kernel on and off (``set_bf16_tiles`` / ``set_f32_tiles``; off: brgemm): the before/after of
+issue 35 in one process. ``--dtype float32`` takes a float32 cache and queries (float32 products),
+the roofline then on a float32 2048^3 matmul and 4-byte cache values.
 JSON goes to ``bench/out/decode_roofline.json``.
 """
 
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-OUT = Path(__file__).resolve().parent / "out" / "decode_roofline.json"
+OUT = Path(__file__).resolve().parent / "out" / "decode_roofline.json"  # float32: decode_roofline_float32.json
 D, L = 576, 512
 SHAPES = ["128:8x4096", "16:8x4096", "16:1x4096", "16:1x32768", "16:32x1024"]
 
@@ -45,27 +47,27 @@ def parse(shape: str) -> tuple[int, int, int]:
     return int(h), int(b), int(s)
 
 
-def make_case(H: int, B: int, S: int, page: int = 64, seed: int = 0):
+def make_case(H: int, B: int, S: int, page: int = 64, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     from openmla.backends.cpu import kernels
 
     g = torch.Generator().manual_seed(seed)
     kv = S + 1
     per = -(-kv // page)
-    pages = torch.randn(B * per, page, D, generator=g).bfloat16()
+    pages = torch.randn(B * per, page, D, generator=g).to(dtype)
     table = torch.randperm(B * per, generator=g).to(torch.int32).view(B, per).contiguous()
     lens = torch.full((B,), S, dtype=torch.int32)
     offs = torch.arange(B + 1, dtype=torch.int32)
-    layer = kernels.PagedLayer(pages, table, lens, offs, kernels.FORMAT_CODES[torch.bfloat16])
-    q = (torch.randn(B, H, D, generator=g) * 0.3).bfloat16()
+    layer = kernels.PagedLayer(pages, table, lens, offs, kernels.FORMAT_CODES[dtype])
+    q = (torch.randn(B, H, D, generator=g) * 0.3).to(dtype)
     from openmla.masks import MaskVariant
 
     mask = MaskVariant()
 
     def run():
-        return kernels.decode(q, layer, kv_lora_rank=L, scale=D**-0.5, mask=mask, dtype=torch.bfloat16)
+        return kernels.decode(q, layer, kv_lora_rank=L, scale=D**-0.5, mask=mask, dtype=dtype)
 
     flops = 2 * B * H * kv * (D + L)
-    nbytes = B * kv * D * 2
+    nbytes = B * kv * D * dtype.itemsize
     return run, flops, nbytes
 
 
@@ -83,7 +85,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=SHAPES)
     ap.add_argument("--ab", action="store_true", help="register tiles on and off in the same run (test build)")
     ap.add_argument("--modes", nargs="+", default=["cpu1", "wall"], choices=["cpu1", "wall"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.ab:
         os.environ["OPENMLA_CPU_TEST_HOOKS"] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -95,18 +99,19 @@ def main() -> None:
     def use(v: str) -> None:
         if args.ab:
             ops.set_bf16_tiles(v == "tiles")
+            ops.set_f32_tiles(v == "tiles")
 
-    a = torch.randn(2048, 2048).bfloat16()
-    b = torch.randn(2048, 2048).bfloat16()
+    a = torch.randn(2048, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
     src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     probes = {"matmul": lambda: torch.mm(a, b), "copy": lambda: dst.copy_(src)}
-    cases = {s: make_case(*parse(s)) for s in args.shapes}
+    cases = {s: make_case(*parse(s), dtype=dtype) for s in args.shapes}
     model = ""
     for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
         if line.startswith("Model name"):
             model = line.split(":", 1)[1].strip()
-    res: dict = {"cpu": model, "torch": torch.__version__, "threads": args.threads, "loadavg_before": os.getloadavg(),
+    res: dict = {"cpu": model, "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "loadavg_before": os.getloadavg(),
                  "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "modes": {}}
     for mode in args.modes:
         cpu = mode == "cpu1"
@@ -145,7 +150,8 @@ def main() -> None:
         res["modes"][mode] = out
     res["loadavg_after"] = os.getloadavg()
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=1))
+    out_path = OUT if args.dtype == "bfloat16" else OUT.with_name(f"decode_roofline_{args.dtype}.json")
+    out_path.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ test_torch_prefill.py and test_torch_fp8.py on both CPU backends.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 import subprocess
 import sys
 import textwrap
@@ -209,7 +210,7 @@ def random_picks(case: Case, width: int, physical: bool) -> torch.Tensor:
 
 
 def check_against_brgemm(ops, kernel: str, case: Case, q_abs: torch.Tensor, **kw):
-    """Decode on openmla's own ``kernel`` ("own_amx" or "bf16_tiles": it must run) and, switched off, on brgemm,
+    """Decode on openmla's own ``kernel`` ("own_amx", "bf16_tiles" or "f32_tiles": it must run) and, switched off, on brgemm,
     each against the reference."""
     units, switch = getattr(ops, f"{kernel}_units"), getattr(ops, f"set_{kernel}")
     before = units()
@@ -268,58 +269,118 @@ def test_own_amx_sparse(own_amx, physical):
     check_own_and_brgemm(own_amx, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
 
 
-# bf16 register tiles (decode_tiles.h: AVX-512-BF16 builds on CPUs without AMX) ----------------
-@pytest.fixture
-def bf16_tiles():
+# Register tiles (decode_tiles.h): bf16 on AVX-512-BF16 builds on CPUs without AMX, float32 on
+# AVX-512 and AVX2 + FMA builds (float32 queries, and bf16 ones where bf16 computes in float32) ---
+TILE_KINDS = [("bf16_tiles", torch.bfloat16), ("f32_tiles", torch.float32), ("f32_tiles", torch.bfloat16)]
+
+
+@dataclass
+class Tiles:
+    ops: object
+    kernel: str         # "bf16_tiles" or "f32_tiles": the hooks' names
+    dtype: torch.dtype  # the queries' (and native caches') dtype
+
+
+@pytest.fixture(params=TILE_KINDS, ids=["bf16", "f32", "bf16_as_f32"])
+def tiles(request):
+    from openmla.backends.cpu import kernels
+
     ops = hooks()
-    if not ops.set_bf16_tiles(True):
-        pytest.skip("no AVX-512-BF16 build here, or the CPU has AMX (the own AMX kernel runs)")
-    yield ops
-    ops.set_bf16_tiles(True)
+    kernel, dtype = request.param
+    switch = getattr(ops, f"set_{kernel}")
+    if not switch(True):
+        pytest.skip(f"no {kernel} here (build, or a CPU with AMX for bf16)")
+    want = torch.bfloat16 if kernel == "bf16_tiles" else torch.float32
+    if kernels.compute_dtype(dtype) != want:
+        pytest.skip(f"{dtype} does not compute in {want} here")
+    yield Tiles(ops, kernel, dtype)
+    switch(True)
 
 
-def check_tiles_and_brgemm(ops, case: Case, q_abs: torch.Tensor, **kw):
-    check_against_brgemm(ops, "bf16_tiles", case, q_abs, **kw)
+def check_tiles_and_brgemm(t: Tiles, case: Case, q_abs: torch.Tensor, **kw):
+    check_against_brgemm(t.ops, t.kernel, case, q_abs, **kw)
 
 
 @pytest.mark.parametrize("mask,extra", MASK_CASES, ids=[m for m, _ in MASK_CASES])
 @pytest.mark.parametrize("page_size,H,new", [(16, 16, [1, 2, 1, 0, 3]), (64, 1, [1, 1, 1, 1, 1]),
                                              (1, 3, [2, 2, 1, 2, 2]), (256, 20, [1, 4, 1, 1, 2]),
                                              (64, 128, [1, 1, 2, 1, 1]), (8, 33, [1, 3, 1, 2, 1])])
-def test_bf16_tiles_decode(bf16_tiles, mask, extra, page_size, H, new):
-    """Every blocking the tiles choose by query rows (1-16, 17-32, 33-48, more; heads x tokens),
-    pages in place past NaN rows (blocks that start or end mid-page, odd key counts), short pages
-    through the key buffer, slabs of long pages, split-KV."""
+def test_tiles_decode(tiles, mask, extra, page_size, H, new):
+    """Every blocking the tiles choose by query rows (bf16 and AVX-512 float32: 1-16, 17-32, 33-48,
+    more; AVX2 float32: 1-8, more; heads x tokens), pages in place past NaN rows (blocks that start
+    or end mid-page, odd key counts), short pages through the key buffer, slabs of long pages,
+    split-KV."""
     case = make_case([0, 1, 37, 300, 611], new, config=small_config(num_heads=H, **TILED), page_size=page_size,
-                     dtype=torch.bfloat16, spare_pages=3)
+                     dtype=tiles.dtype, spare_pages=3)
     poison_unused_rows(case)
     q_abs = random_q_abs(case)
-    check_tiles_and_brgemm(bf16_tiles, case, q_abs, mask=mask, **extra)
-    check_tiles_and_brgemm(bf16_tiles, case, q_abs, mask=mask, num_partitions=3, **extra)
+    check_tiles_and_brgemm(tiles, case, q_abs, mask=mask, **extra)
+    check_tiles_and_brgemm(tiles, case, q_abs, mask=mask, num_partitions=3, **extra)
 
 
 @pytest.mark.parametrize("L,R", [(48, 16), (70, 20), (512, 64)])
-def test_bf16_tiles_latent_widths(bf16_tiles, L, R):
-    """Latent widths off the 32-column P x V chunks (masked tail columns) and DeepSeek's."""
+def test_tiles_latent_widths(tiles, L, R):
+    """Latent widths off the P x V column chunks (masked tail columns) and DeepSeek's."""
     case = make_case([0, 5, 70, 1029], [1, 2, 1, 1], config=small_config(num_heads=16, L=L, R=R), page_size=64,
-                     dtype=torch.bfloat16, spare_pages=2)
+                     dtype=tiles.dtype, spare_pages=2)
     poison_unused_rows(case)
-    check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16))
+    check_tiles_and_brgemm(tiles, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16))
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope"])
-def test_bf16_tiles_quantized_caches(bf16_tiles, cache_dtype):
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4_fp8rope", torch.float16,
+                                         torch.bfloat16, torch.float32])
+def test_tiles_cache_formats(tiles, cache_dtype):
+    """Every cache format whose products the tiles run (the key buffer; float32 pages in place)."""
+    from openmla.backends.cpu import kernels
+
+    if isinstance(cache_dtype, torch.dtype):
+        want = torch.bfloat16 if tiles.kernel == "bf16_tiles" else torch.float32
+        if kernels.compute_dtype(tiles.dtype, cache_dtype) != want:
+            pytest.skip(f"{tiles.dtype} queries on a {cache_dtype} cache do not compute in {want}")
+    elif tiles.kernel == "f32_tiles" and tiles.ops.set_reg_dequant(True):
+        pytest.skip("dense fp8 / NVFP4 decode with float32 products runs decode_reg.h in this build")
     case = make_case([0, 200, 64], [2, 1, 5], config=small_config(num_heads=16, **DEEPSEEK), page_size=64,
-                     dtype=torch.bfloat16, cache_dtype=cache_dtype)
-    check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16), num_partitions=2)
+                     dtype=tiles.dtype, cache_dtype=cache_dtype)
+    check_tiles_and_brgemm(tiles, case, random_q_abs(case), attn_sink=torch.linspace(-1, 1, 16), num_partitions=2)
 
 
 @pytest.mark.parametrize("physical", [True, False])
 @pytest.mark.parametrize("H", [5, 32])
-def test_bf16_tiles_sparse(bf16_tiles, physical, H):
-    case = make_case([0, 40, 90, 7], [2, 1, 3, 1], config=small_config(num_heads=H, **TILED), dtype=torch.bfloat16)
+def test_tiles_sparse(tiles, physical, H):
+    case = make_case([0, 40, 90, 7], [2, 1, 3, 1], config=small_config(num_heads=H, **TILED), dtype=tiles.dtype)
     idx = random_picks(case, 41, physical)
-    check_tiles_and_brgemm(bf16_tiles, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
+    check_tiles_and_brgemm(tiles, case, random_q_abs(case), sparse_indices=idx.to(torch.int32), physical_indices=physical)
+
+
+def test_tiles_long_context_many_heads():
+    """One 33k-token sequence at 128 heads and a 1-token one, float32 and bf16, against the reference."""
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_case([33000, 0], [1, 1], config=small_config(num_heads=128, L=64, R=32), page_size=64, dtype=dtype,
+                         spare_pages=1)
+        check_decode(case, random_q_abs(case))
+
+
+AVX2_TILES_SCRIPT = """
+import sys, pytest
+class Passed:
+    n = 0
+    def pytest_runtest_logreport(self, report):
+        Passed.n += report.when == "call" and report.passed
+rc = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-k", "tiles and not avx2_build and not long_context", sys.argv[1]],
+                 plugins=[Passed()])
+print("passed:", Passed.n)
+sys.exit(rc)
+"""
+
+
+def test_tiles_in_avx2_build():
+    """The tile tests on the kernels' AVX2 build (OPENMLA_CPU_ISA=avx2, oneDNN capped to AVX2: 8-lane
+    float32 tiles, bf16 computing in float32), in a subprocess: its own build and library."""
+    env = dict(os.environ, OPENMLA_CPU_ISA="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    res = subprocess.run([sys.executable, "-c", AVX2_TILES_SCRIPT, __file__], env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert int(res.stdout.split("passed:")[-1]) > 50, res.stdout[-2000:]
 
 
 def test_isa_cap_builds_for_less(monkeypatch):

@@ -204,7 +204,7 @@ struct DecodeKernel {
     int64_t M, n_max;
     bool own;       // products on the own AMX micro-kernel
     bool direct;    // P x V reads V rows as they are (amx_pv_direct), O in even/odd chunk order
-    bool tiles;     // products in AVX-512-BF16 register tiles (decode_tiles.h)
+    bool tiles;     // products in register tiles (decode_tiles.h: bf16 on AVX-512-BF16, float32)
     T* QT;          // [D][M] Q^T, the B operand of the score product (VNNI pairs for bf16)
     float* O;       // [M][L] accumulators
     float *ref, *sum;
@@ -230,9 +230,9 @@ struct DecodeKernel {
     }
 #endif
     const bool reg = reg_dequant();
-    w.tiles = bf16_tiles(w);
-    // the register tiles read whole 8- (float32) or 16-column (bf16 pairs) vectors of Q^T
-    const int64_t ldq = reg ? round_up(M, 8) : w.tiles ? round_up(M, 16) : M;
+    w.tiles = !reg && reg_tiles(w);
+    // the register tiles read whole vectors of Q^T columns (decode_reg.h: 8; decode_tiles.h: its lanes)
+    const int64_t ldq = reg ? round_up(M, 8) : w.tiles ? round_up(M, tile_lanes()) : M;
     w.QT = scratch<T>(S_QT, D * ldq);
     const T* q = static_cast<const T*>(a.q);
     for (int64_t i = 0; i < u.nt; ++i) pack_b_transposed<T>(q + ((u.t0 + i) * a.H + u.h0) * D, D, u.nh, D, w.QT, ldq, i * u.nh);
@@ -458,24 +458,72 @@ struct DecodeKernel {
 #endif
   }
 
+  // Whether this unit runs on the register tiles: bf16 as above, float32 in any build with
+  // AVX-512 or AVX2 + FMA (brgemm's float32 kernels are what they replace, on AMX CPUs too).
+  bool reg_tiles(const Unit& w) const {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      return bf16_tiles(w);
+    } else {
+#if defined(OPENMLA_F32_TILES)
+#if defined(OPENMLA_TEST_HOOKS)
+      if (!f32_tiles_switch().load(std::memory_order_relaxed)) return false;
+#endif
+      (void)w;
+      return true;
+#else
+      (void)w;
+      return false;
+#endif
+    }
+  }
+
+  // Query columns per vector of the register tiles (Q^T's rows are padded to a multiple).
+  static constexpr int64_t tile_lanes() {
+#if defined(OPENMLA_F32_TILES)
+    if constexpr (std::is_same_v<T, float>) return F32x::W;
+#endif
+    return 16;
+  }
+
+  // float32 cache pages read in place by the float32 tiles (no key buffer: the rows are the
+  // operands as stored).
+  bool f32_rows_in_place() const {
+    return std::is_same_v<T, float> && a.sparse == nullptr && a.cache.fmt == FMT_F32 && a.cache.row_stride % 4 == 0;
+  }
+
   // One key block on the register tiles: block rows ``rows`` (rows [ra, rb) seen by some query
-  // row, the others ``zero``; the row at rb is set to it when rb is odd): scores, softmax, P x V
-  // (P pairs in ``PP``, [n_max / 2 + 1][M]).
+  // row, the others ``zero``; bf16: the row at rb is set to it when rb is odd): scores, softmax
+  // (keys-major P^T only), P x V (bf16: P pairs in ``PP``, [n_max / 2 + 1][M]).
   void tile_products(Unit& w, const T** rows, int64_t ra, int64_t rb, const T* zero, int32_t* PP,
                      BlockPrefetch pf = {}) const {
+    const int64_t M = w.M, L = this->L();
+    (void)M, (void)L, (void)zero, (void)PP, (void)ra;
 #if defined(OPENMLA_BF16_TILES)
     if constexpr (std::is_same_v<T, BFloat16>) {
-      const int64_t M = w.M, L = this->L();
       if (rb & 1) rows[rb] = zero;
-      score_tiles(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M);
-      softmax(w, rb);  // rows past rb are seen by none: a short context is not padded to its page
+      score_tiles<BF16x>(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M);
+      softmax_pt(w, rb);  // rows past rb are seen by none: a short context is not padded to its page
       const int64_t j0 = ra & ~int64_t(1), pairs = (round_up(rb, 2) - j0) / 2;
       pair_probs(w.PT + j0 * M, M, pairs, PP);
       pv_tiles(rows + j0, pairs, PP, M, w.O, L, L, pf);
       return;
     }
 #endif
-    TORCH_CHECK(false, "openmla cpu: the bf16 register tiles need an AVX-512-BF16 build");
+#if defined(OPENMLA_F32_TILES)
+    if constexpr (std::is_same_v<T, float>) {
+      score_tiles<F32x>(rows + ra, rb - ra, w.QT, round_up(M, F32x::W), a.D, w.S + ra * M, M);
+      softmax_pt(w, rb);
+      pv_tiles_f32<F32x>(rows + ra, rb - ra, w.PT + ra * M, M, w.O, L, L, pf);
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "openmla cpu: no register tiles in this build for this compute type");
+  }
+
+  // The softmax of a block for the tiles: keys-major P^T only (the tiles broadcast from it).
+  void softmax_pt(Unit& w, int64_t rows) const {
+    softmax_keys_major<T>(w.S, w.M, rows, round_up(rows, 32), w.c0, w.c1, a.scale, w.ref, w.sum, w.O, L(), L(), w.PT,
+                          static_cast<T*>(nullptr));
   }
 
   // The tiles' P pairs (slot S_VPACK: no packed V on the tiles).
@@ -488,25 +536,33 @@ struct DecodeKernel {
     return z;
   }
 
-  // Dense keys in blocks on the register tiles: bf16 pages read in place (the next block's rows
-  // prefetched during this one's P x V), other formats (and short pages) converted into the key
-  // buffer; rows no query row sees point at a zero row.
+  // Dense keys in blocks on the register tiles: bf16 pages (and float32 pages for float32
+  // products) read in place, the next block's rows prefetched during this one's P x V; other
+  // formats (and short bf16 pages) converted into the key buffer; rows no query row sees point at
+  // a zero row.
   void walk_dense_tiles(Unit& w) const {
     const DecodeUnit& u = w.u;
     const int64_t D = a.D;
 #if defined(OPENMLA_TEST_HOOKS)
-    bf16_tiles_units().fetch_add(1, std::memory_order_relaxed);
+    if constexpr (std::is_same_v<T, float>) {
+#if defined(OPENMLA_F32_TILES)
+      f32_tiles_units().fetch_add(1, std::memory_order_relaxed);
 #endif
+    } else {
+      bf16_tiles_units().fetch_add(1, std::memory_order_relaxed);
+    }
+#endif
+    const bool in_place = plan.inplace || f32_rows_in_place();
     const T* zero = tile_zero_row();
-    int32_t* PP = tile_pairs(w);
-    T* keys = plan.inplace ? nullptr : scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
-    const uint8_t** ahead = plan.inplace ? scratch<const uint8_t*>(S_KEYS, w.n_max) : nullptr;
+    int32_t* PP = std::is_same_v<T, BFloat16> ? tile_pairs(w) : nullptr;
+    T* keys = in_place ? nullptr : scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
+    const uint8_t** ahead = in_place ? scratch<const uint8_t*>(S_KEYS, w.n_max) : nullptr;
     const int64_t stored = a.cache.stored_bytes();
     for (int64_t pos = u.k_lo; pos < u.k_hi;) {
       const KeyBlock kb = next_block(plan, a.cache.page_size, pos, u.k_hi);
       const int64_t ra = kb.a - kb.base, rb = kb.b - kb.base;
       for (int64_t r = 0; r < ra; ++r) w.rows[r] = zero;
-      if (plan.inplace) {
+      if (in_place) {
         for (int64_t r = ra; r < rb; ++r) w.rows[r] = reinterpret_cast<const T*>(a.cache.logical(u.b, kb.base + r));
       } else {
         for (int64_t r = ra; r < rb; ++r) {
@@ -517,7 +573,7 @@ struct DecodeKernel {
       }
       block_columns(w, kb);
       BlockPrefetch pf;
-      if (plan.inplace && kb.b < u.k_hi) {
+      if (in_place && kb.b < u.k_hi) {
         const KeyBlock nb = next_block(plan, a.cache.page_size, kb.b, u.k_hi);
         pf.rows = ahead;
         pf.n = nb.b - nb.a;
@@ -534,7 +590,7 @@ struct DecodeKernel {
     const DecodeUnit& u = w.u;
     const int64_t D = a.D, b = u.b, t = u.t0;
     T* Vp = w.direct || w.tiles ? nullptr : scratch<T>(S_VPACK, w.n_max * L());
-    int32_t* PP = w.tiles ? tile_pairs(w) : nullptr;
+    int32_t* PP = w.tiles && std::is_same_v<T, BFloat16> ? tile_pairs(w) : nullptr;
     const T* zero = w.tiles ? tile_zero_row() : nullptr;
     T* keys = scratch<T>(S_KEYS, round_up(w.n_max, 16) * D);
     const int64_t c = a.cache_lens[b], kv_len = c + (a.offsets[b + 1] - a.offsets[b]);
@@ -542,8 +598,8 @@ struct DecodeKernel {
     auto [lo, hi] = a.mask.key_range(p, p, kv_len);
     const int32_t* idx = a.sparse + t * a.sparse_stride;
     int64_t slot = u.k_lo;
-#if defined(OPENMLA_TEST_HOOKS) && defined(OPENMLA_BF16_TILES)
-    if (w.tiles) bf16_tiles_units().fetch_add(1, std::memory_order_relaxed);
+#if defined(OPENMLA_TEST_HOOKS)
+    if (w.tiles) (std::is_same_v<T, float> ? f32_tiles_units() : bf16_tiles_units()).fetch_add(1, std::memory_order_relaxed);
 #endif
     while (slot < u.k_hi) {
       int64_t n = 0;

@@ -16,6 +16,14 @@
 // accumulators and keep >= 6 of them independent (vdpbf16ps latency). Rows are pointers: cache
 // rows in place, a converted key buffer, or a zero row (keys a query row does not see: P = 0
 // there, and unwritten cache rows may hold NaN).
+// float32 decode products in register tiles of the build's widest float vectors (AVX-512: 16
+// lanes, 32 registers; AVX2 + FMA: 8 lanes, 16 registers), in place of brgemm's float32 path
+// (float32 and float16 caches, and bf16 caches where bf16 computes in float32: AVX2 builds):
+//   scores  the same tile shape as the bf16 one (score_tile over the vector traits F32x: KR keys
+//           x NV vectors of query columns, one key value broadcast per row of FMAs; Q^T [D][ldq]);
+//   P x V   O[m][c..] += PT[j][m] V[j][c..]: MR query rows x 2 vectors of latent columns, P
+//           broadcast from the softmax's keys-major P^T, V read as the rows lie (key buffer or
+//           a float32 page in place): no pack pass, no P transpose.
 #pragma once
 
 #include "common.h"
@@ -55,32 +63,107 @@ struct BlockPrefetch {
   }
 };
 
-#if defined(OPENMLA_BF16_TILES)
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+#define OPENMLA_F32_TILES 1
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__) && defined(__FMA__)
+#define OPENMLA_F32_TILES 1
+#endif
+
+#if defined(OPENMLA_TEST_HOOKS)
+// Test builds: switch the float32 tiles off (brgemm's float32 path then runs) and count their units.
+inline std::atomic<bool>& f32_tiles_switch() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+inline std::atomic<int64_t>& f32_tiles_units() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+#endif
+
+#if defined(OPENMLA_BF16_TILES) || defined(OPENMLA_F32_TILES)
 #define OPENMLA_TILE_UNROLL _Pragma("GCC unroll 32")
 
-// S[k][0:cols] = K[k] . Q^T[:, 0:cols] for kr <= KR keys (rows K[0..kr)); QT [D/2][ldq] pairs,
-// columns past cols zero padding (read, not stored). S rows lds floats apart.
-template <int KR, int NV>
-inline void score_tile(const BFloat16* const* K, int64_t kr, const BFloat16* QT, int64_t ldq, int64_t D2, float* S,
-                       int64_t lds, int64_t cols) {
-  __m512 acc[KR][NV];
-  const int32_t* kp[KR];
+// Vector traits of the tiles: E the operand type, V the float32 accumulator (W lanes), Q an
+// operand vector, STEP values of a row per product lane (bf16 pairs: 2), REGS vector registers.
+#if defined(CPU_CAPABILITY_AVX512)
+struct Zmm {
+  using V = __m512;
+  static constexpr int W = 16, REGS = 32;
+  static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1); }
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline V load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+  static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static inline void store_n(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+  static inline V set1(float x) { return _mm512_set1_ps(x); }
+  static inline V fma(V acc, V a, V b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+#if defined(OPENMLA_F32_TILES)
+struct F32x : Zmm {
+  using E = float;
+  using Q = __m512;
+  static constexpr int STEP = 1;
+  static inline Q load_q(const float* p) { return _mm512_loadu_ps(p); }
+  static inline Q bcast(const float* k, int64_t d) { return _mm512_set1_ps(k[d]); }
+  static inline V madd(V acc, Q b, Q q) { return _mm512_fmadd_ps(b, q, acc); }
+};
+#endif
+#if defined(OPENMLA_BF16_TILES)
+struct BF16x : Zmm {
+  using E = BFloat16;
+  using Q = __m512bh;
+  static constexpr int STEP = 2;
+  static inline Q load_q(const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static inline Q bcast(const BFloat16* k, int64_t d) { return (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(k)[d]); }
+  static inline V madd(V acc, Q b, Q q) { return _mm512_dpbf16_ps(acc, b, q); }
+};
+#endif
+#else  // AVX2 + FMA: 8 lanes, 16 registers
+struct F32x {
+  using V = __m256;
+  using E = float;
+  using Q = __m256;
+  static constexpr int W = 8, REGS = 16, STEP = 1;
+  static inline __m256i lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::clamp<int64_t>(n, 0, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline V load_n(const float* p, int64_t n) { return _mm256_maskload_ps(p, lanes(n)); }
+  static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static inline void store_n(float* p, V v, int64_t n) { _mm256_maskstore_ps(p, lanes(n), v); }
+  static inline V set1(float x) { return _mm256_set1_ps(x); }
+  static inline V fma(V acc, V a, V b) { return _mm256_fmadd_ps(a, b, acc); }
+  static inline Q load_q(const float* p) { return _mm256_loadu_ps(p); }
+  static inline Q bcast(const float* k, int64_t d) { return _mm256_broadcast_ss(k + d); }
+  static inline V madd(V acc, Q b, Q q) { return _mm256_fmadd_ps(b, q, acc); }
+};
+#endif
+
+// S[k][0:cols] = K[k] . Q^T[:, 0:cols] for kr <= KR keys (rows K[0..kr)); QT [steps][ldq][STEP]
+// (bf16: VNNI pairs), columns past cols zero padding (read, not stored). S rows lds floats apart.
+template <class X, int KR, int NV>
+inline void score_tile(const typename X::E* const* K, int64_t kr, const typename X::E* QT, int64_t ldq, int64_t steps,
+                       float* S, int64_t lds, int64_t cols) {
+  typename X::V acc[KR][NV];
+  const typename X::E* kp[KR];
   OPENMLA_TILE_UNROLL
   for (int k = 0; k < KR; ++k) {
-    kp[k] = reinterpret_cast<const int32_t*>(K[k < kr ? k : kr - 1]);
+    kp[k] = K[k < kr ? k : kr - 1];
     OPENMLA_TILE_UNROLL
-    for (int v = 0; v < NV; ++v) acc[k][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[k][v] = X::zero();
   }
-  const int32_t* q = reinterpret_cast<const int32_t*>(QT);
-  for (int64_t d = 0; d < D2; ++d, q += ldq) {
-    __m512bh qv[NV];
+  const typename X::E* q = QT;
+  for (int64_t d = 0; d < steps; ++d, q += ldq * X::STEP) {
+    typename X::Q qv[NV];
     OPENMLA_TILE_UNROLL
-    for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q + 16 * v);
+    for (int v = 0; v < NV; ++v) qv[v] = X::load_q(q + X::W * X::STEP * v);
     OPENMLA_TILE_UNROLL
     for (int k = 0; k < KR; ++k) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(kp[k][d]);
+      const typename X::Q b = X::bcast(kp[k], d);
       OPENMLA_TILE_UNROLL
-      for (int v = 0; v < NV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], b, qv[v]);
+      for (int v = 0; v < NV; ++v) acc[k][v] = X::madd(acc[k][v], b, qv[v]);
     }
   }
   OPENMLA_TILE_UNROLL
@@ -88,11 +171,21 @@ inline void score_tile(const BFloat16* const* K, int64_t kr, const BFloat16* QT,
     if (k >= kr) break;
     OPENMLA_TILE_UNROLL
     for (int v = 0; v < NV; ++v) {
-      const int64_t c = cols - 16 * v;
-      if (c >= 16) _mm512_storeu_ps(S + k * lds + 16 * v, acc[k][v]);
-      else if (c > 0) _mm512_mask_storeu_ps(S + k * lds + 16 * v, (__mmask16)((1u << c) - 1), acc[k][v]);
+      const int64_t c = cols - X::W * v;
+      if (c >= X::W) X::store(S + k * lds + X::W * v, acc[k][v]);
+      else if (c > 0) X::store_n(S + k * lds + X::W * v, acc[k][v], c);
     }
   }
+}
+
+// A column group's last (partial) tile: as many vectors as its columns need.
+template <class X, int KR, int NV>
+inline void score_group(const typename X::E* const* K, int64_t kr, const typename X::E* QT, int64_t ldq, int64_t steps,
+                        float* S, int64_t lds, int64_t cols) {
+  if constexpr (NV > 1) {
+    if (cols <= X::W * (NV - 1)) return score_group<X, KR, NV - 1>(K, kr, QT, ldq, steps, S, lds, cols);
+  }
+  score_tile<X, KR, NV>(K, kr, QT, ldq, steps, S, lds, cols);
 }
 
 // Keys the score tiles ask for ahead of the tile they multiply: at H = 16 one core consumes a
@@ -100,31 +193,111 @@ inline void score_tile(const BFloat16* const* K, int64_t kr, const BFloat16* QT,
 // (16 against 0 and 32: 0.84 / 0.92 / 0.87 of brgemm's time, Zen 4, H=16, 8 x 4096, one thread).
 constexpr int64_t SCORE_PREFETCH_KEYS = 16;
 
-template <int KR, int NV>
-inline void score_tiles_nv(const BFloat16* const* K, int64_t n, const BFloat16* QT, int64_t ldq, int64_t D2, float* S,
-                           int64_t M) {
+template <class X, int KR, int NV>
+inline void score_tiles_nv(const typename X::E* const* K, int64_t n, const typename X::E* QT, int64_t ldq, int64_t D,
+                           float* S, int64_t M) {
+  const int64_t steps = D / X::STEP, bytes = D * (int64_t)sizeof(typename X::E);
   for (int64_t r = 0; r < std::min(n, SCORE_PREFETCH_KEYS); ++r)
-    for (int64_t b = 0; b < 4 * D2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(K[r]) + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(K[r]) + b, _MM_HINT_T0);
   for (int64_t j = 0; j < n; j += KR) {
     for (int64_t r = j + SCORE_PREFETCH_KEYS; r < std::min(n, j + SCORE_PREFETCH_KEYS + KR); ++r)
-      for (int64_t b = 0; b < 4 * D2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(K[r]) + b, _MM_HINT_T0);
-    for (int64_t m0 = 0; m0 < M; m0 += 16 * NV)
-      score_tile<KR, NV>(K + j, std::min<int64_t>(KR, n - j), QT + 2 * m0, ldq, D2, S + j * M + m0, M, M - m0);
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(K[r]) + b, _MM_HINT_T0);
+    for (int64_t m0 = 0; m0 < M; m0 += X::W * NV)
+      score_group<X, KR, NV>(K + j, std::min<int64_t>(KR, n - j), QT + X::STEP * m0, ldq, steps, S + j * M + m0, M, M - m0);
   }
 }
 
-// Scores of n keys (rows K[0..n), D values each, D even) against M query columns: S [n][M].
-// Blocking by M: 8 keys x 16 columns up to 16 query rows, 8 x 32 up to 32, 6 x 64 beyond
-// (16, 16 and 24 accumulators; the last column group of a row may be partly padding).
-inline void score_tiles(const BFloat16* const* K, int64_t n, const BFloat16* QT, int64_t ldq, int64_t D, float* S,
-                        int64_t M) {
+// Scores of n keys (rows K[0..n), D values each; bf16: D even) against M query columns: S [n][M],
+// QT's rows ldq columns apart (a multiple of X::W). Blocking by M and the registers:
+// 32 registers: 8 keys x 16 columns up to 16 query rows, 8 x 32 up to 32, 8 x 48 up to 48, 6 x 64
+// beyond (8-24 accumulators); 16 registers: 8 keys x 8 columns up to 8 rows, 6 x 16 beyond
+// (8 / 12 accumulators). A row's last column group takes the vectors it needs.
+template <class X>
+inline void score_tiles(const typename X::E* const* K, int64_t n, const typename X::E* QT, int64_t ldq, int64_t D,
+                        float* S, int64_t M) {
   if (n <= 0) return;
-  if (M <= 16) score_tiles_nv<8, 1>(K, n, QT, ldq, D / 2, S, M);
-  else if (M <= 32) score_tiles_nv<8, 2>(K, n, QT, ldq, D / 2, S, M);
-  else if (M <= 48) score_tiles_nv<8, 3>(K, n, QT, ldq, D / 2, S, M);
-  else score_tiles_nv<6, 4>(K, n, QT, ldq, D / 2, S, M);
+  if constexpr (X::REGS >= 32) {
+    if (M <= X::W) score_tiles_nv<X, 8, 1>(K, n, QT, ldq, D, S, M);
+    else if (M <= 2 * X::W) score_tiles_nv<X, 8, 2>(K, n, QT, ldq, D, S, M);
+    else if (M <= 3 * X::W) score_tiles_nv<X, 8, 3>(K, n, QT, ldq, D, S, M);
+    else score_tiles_nv<X, 6, 4>(K, n, QT, ldq, D, S, M);
+  } else {
+    if (M <= X::W) score_tiles_nv<X, 8, 1>(K, n, QT, ldq, D, S, M);
+    else score_tiles_nv<X, 6, 2>(K, n, QT, ldq, D, S, M);
+  }
+}
+#endif
+
+#if defined(OPENMLA_F32_TILES)
+// O[m][c0 + 0:w] += sum_j PT[j][m] V[j][c0 + 0:w] for MR query rows, w <= 2 W columns (FULL:
+// w = 2 W): n keys, V rows V[0..n) read as they lie, PT [n][ldp] the keys-major probabilities.
+template <class X, int MR, bool FULL>
+inline void pv_tile_f32(const float* const* V, int64_t n, const float* PT, int64_t ldp, float* O, int64_t ldo, int64_t c0,
+                        int64_t w, BlockPrefetch& pf) {
+  constexpr int W = X::W;
+  typename X::V acc[MR][2];
+  OPENMLA_TILE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    const float* o = O + m * ldo + c0;
+    acc[m][0] = FULL ? X::load(o) : X::load_n(o, w);
+    acc[m][1] = FULL ? X::load(o + W) : X::load_n(o + W, w - W);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = V[j] + c0;
+    const typename X::V x0 = FULL ? X::load(v) : X::load_n(v, w);
+    const typename X::V x1 = FULL ? X::load(v + W) : X::load_n(v + W, w - W);
+    const float* p = PT + j * ldp;
+    pf.one();
+    OPENMLA_TILE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const typename X::V b = X::set1(p[m]);
+      acc[m][0] = X::fma(acc[m][0], b, x0);
+      acc[m][1] = X::fma(acc[m][1], b, x1);
+    }
+  }
+  OPENMLA_TILE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    float* o = O + m * ldo + c0;
+    if (FULL) {
+      X::store(o, acc[m][0]);
+      X::store(o + W, acc[m][1]);
+    } else {
+      X::store_n(o, acc[m][0], w);
+      X::store_n(o + W, acc[m][1], w - W);
+    }
+  }
 }
 
+template <class X, int MR, bool FULL>
+inline void pv_group_f32(int64_t rows, const float* const* V, int64_t n, const float* PT, int64_t ldp, float* O,
+                         int64_t ldo, int64_t c0, int64_t w, BlockPrefetch& pf) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return pv_group_f32<X, MR - 1, FULL>(rows, V, n, PT, ldp, O, ldo, c0, w, pf);
+  }
+  pv_tile_f32<X, MR, FULL>(V, n, PT, ldp, O, ldo, c0, w, pf);
+}
+
+// O [M][ldo] (first L columns) += P x V over n keys: per chunk of 2 W latent columns (its V
+// columns stay in L1 across the row groups), near-equal groups of at most 12 query rows with 32
+// registers (24 accumulators), 6 with 16 (12 accumulators).
+template <class X>
+inline void pv_tiles_f32(const float* const* V, int64_t n, const float* PT, int64_t M, float* O, int64_t ldo, int64_t L,
+                         BlockPrefetch& pf) {
+  if (n <= 0) return;
+  constexpr int MR = X::REGS >= 32 ? 12 : 6;
+  const int64_t groups = ceil_div(M, (int64_t)MR);
+  for (int64_t c = 0; c < L; c += 2 * X::W) {
+    const int64_t w = std::min<int64_t>(2 * X::W, L - c);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = M * g / groups, r1 = M * (g + 1) / groups;
+      if (w == 2 * X::W) pv_group_f32<X, MR, true>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
+      else pv_group_f32<X, MR, false>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
+    }
+  }
+}
+#endif
+
+#if defined(OPENMLA_BF16_TILES)
 // Lane orders of a 32-column P x V chunk: vpunpck{l,h}wd of two 32-value rows leave column
 // 8q + t (t < 4) in lane 4q + t of ``lo`` and column 8q + 4 + t in lane 4q + t of ``hi``.
 struct ChunkPerm {

@@ -394,6 +394,19 @@ bool set_bf16_tiles(bool on) {
 }
 
 int64_t bf16_tiles_unit_count() { return bf16_tiles_units().load(); }
+
+// Turn decode_tiles.h's float32 register tiles on or off (off: brgemm's float32 path); returns
+// whether float32 decode runs on them now (False in builds without AVX-512 or AVX2 + FMA).
+bool set_f32_tiles(bool on) {
+  f32_tiles_switch().store(on);
+#if defined(OPENMLA_F32_TILES)
+  return on;
+#else
+  return false;
+#endif
+}
+
+int64_t f32_tiles_unit_count() { return f32_tiles_units().load(); }
 #endif
 
 // Whether brgemm runs bfloat16 with VNNI-packed B on this CPU (oneDNN needs AVX-512).
@@ -425,6 +438,8 @@ TORCH_LIBRARY(openmla_cpu, m) {
       "write_cache(Tensor q, Tensor kv, Tensor freqs, Tensor gamma, Tensor(a!) pages, Tensor block_table, Tensor cache_lens, "
       "Tensor offsets, int fmt, float kv_scale, int kv_lora_rank, float eps, bool interleaved, Tensor(b!) q_out) -> ()",
       &openmla::write_cache_op);
+  m.def("write_rows(Tensor entries, Tensor(a!) pages, Tensor rows, int fmt, float kv_scale, int kv_lora_rank) -> ()",
+        &openmla::write_rows_op);
   m.def(
       "gather(Tensor pages, Tensor block_table, Tensor seq, Tensor pos0, Tensor count, int fmt, float kv_scale, "
       "int kv_lora_rank, int rope_dim, int col0, int col1, Tensor(a!) out) -> ()",
@@ -452,5 +467,7 @@ TORCH_LIBRARY(openmla_cpu, m) {
   m.def("reg_dequant_units() -> int", &openmla::reg_dequant_unit_count);
   m.def("set_bf16_tiles(bool on) -> bool", &openmla::set_bf16_tiles);
   m.def("bf16_tiles_units() -> int", &openmla::bf16_tiles_unit_count);
+  m.def("set_f32_tiles(bool on) -> bool", &openmla::set_f32_tiles);
+  m.def("f32_tiles_units() -> int", &openmla::f32_tiles_unit_count);
 #endif
 }

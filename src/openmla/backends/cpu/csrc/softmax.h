@@ -143,7 +143,7 @@ void transpose(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_t row
 // query column m sees block rows [lo[m], hi[m]). Vectorised across query columns (no horizontal
 // reductions). Updates ``ref``/``sum``, rescales accumulator rows O[m] as softmax_block does, and
 // writes the probabilities query-major, P [M][n_pad] in the compute type (zeros where not
-// visible), through the keys-major scratch PT [n_pad][M].
+// visible), through the keys-major scratch PT [n_pad][M] (P null: PT only, for the register tiles).
 template <typename T>
 void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, const int32_t* lo, const int32_t* hi,
                         float scale, float* ref, float* sum, float* O, int64_t ldo, int64_t Dv, T* PT, T* P) {
@@ -201,7 +201,7 @@ void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, 
     vsum.store(add);
     for (int64_t m = c; m < c + w; ++m) sum[m] += add[m - c];
   }
-  transpose<T>(PT, M, P, n_pad, n_pad, M);
+  if (P) transpose<T>(PT, M, P, n_pad, n_pad, M);
 }
 
 // Finished row: out = O / sum * out_scale (zeros when nothing was seen), lse = ref + log(sum)
