@@ -38,3 +38,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def nan_buffers(monkeypatch):
+    """Every buffer a backend fills (``openmla.workspace.empty_output``) and every new scratch
+    buffer starts as NaN for the test, so an element a kernel leaves unwritten shows."""
+    from openmla import workspace
+
+    monkeypatch.setattr(workspace, "POISON", True)
+    workspace.clear()  # no scratch buffer left from another test

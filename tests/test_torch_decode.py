@@ -37,9 +37,8 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Decode output buffers start as NaN, so a row the backend forgets to write shows."""
-    monkeypatch.setattr(tdec, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
+def poison_outputs(nan_buffers):
+    """Output and scratch buffers start as NaN, so a row the backend forgets to write shows."""
 
 
 # Helpers ------------------------------------------------------------------------------

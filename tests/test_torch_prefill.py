@@ -23,7 +23,7 @@ from openmla import reference as ref
 from openmla.masks import MaskKind
 
 from cases import MASK_CASES, TOL, Case, assert_close, assert_lse, make_case, small_config
-from cpu_backends import CPU_BACKENDS, poison_workspace, use_backend
+from cpu_backends import CPU_BACKENDS, use_backend
 
 # The package re-exports the function ``prefill``; the module holds the tunables and helpers.
 tpre = importlib.import_module("openmla.backends.torch_cpu.prefill")
@@ -42,10 +42,8 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def poison_buffers(monkeypatch):
+def poison_buffers(nan_buffers):
     """Packed query/key/value blocks, scratch buffers and outputs start as NaN."""
-    monkeypatch.setattr(tpre, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
-    poison_workspace(monkeypatch)  # no scratch buffer left from another test; new ones start as NaN
 
 
 # Helpers ------------------------------------------------------------------------------

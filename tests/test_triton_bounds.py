@@ -85,12 +85,12 @@ def guarded_outputs():
         for w in made:
             assert torch.isnan(w[:GUARD]).all() and torch.isnan(w[-GUARD:]).all(), "a kernel wrote outside its output buffer"
 
-    saved = _common.empty
-    _common.empty = empty
+    saved = _common.empty_output
+    _common.empty_output = empty
     try:
         yield check
     finally:
-        _common.empty = saved
+        _common.empty_output = saved
 
 
 def absorbed_q(case) -> torch.Tensor:

@@ -43,11 +43,9 @@ def _triton():
 
 
 @pytest.fixture
-def triton_poisoned(monkeypatch):
+def triton_poisoned(nan_buffers):
     """The triton backend, every buffer it allocates starting as NaN (an unwritten element fails)."""
-    common = _triton()
-    monkeypatch.setattr(common, "empty", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
-    return common
+    return _triton()
 
 
 def _to(dev: torch.device, q, offsets, raw, spec, comp):
@@ -61,8 +59,8 @@ def _to(dev: torch.device, q, offsets, raw, spec, comp):
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    monkeypatch.setattr(tkv, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype, device=device))
+def poison_outputs(nan_buffers):
+    """Output buffers start as NaN, so a row left unwritten shows."""
 
 
 def _store(g: torch.Generator, lengths: list[int], first_read: list[int], page_size: int, D: int, dtype: torch.dtype,

@@ -7,6 +7,11 @@ view of this thread's byte buffer for ``name``: views of one name share bytes (a
 the same name overwrites an earlier view), contents are undefined, and a result must never
 outlive the step that asked for it. Buffers made under ``torch.inference_mode`` cannot be
 written outside it, so each mode has its own.
+
+Every buffer a kernel fills completely (outputs, split partials, packed operands), on every
+backend, comes from ``empty_output``. With ``POISON`` set (the tests' ``nan_buffers`` fixture
+sets it and calls ``clear``) those buffers and new scratch buffers start as NaN, so an element a
+kernel leaves unwritten, or scratch read before it is written, shows.
 """
 
 from __future__ import annotations
@@ -19,11 +24,23 @@ import torch
 CAP_BYTES = 256 << 20  # buffers up to this size are kept between calls; larger ones are allocated per call
 MAX_VIEWS = 256  # cached views per thread (ragged batches make many shapes; the table stays small)
 
+POISON = False  # tests only: new buffers start as NaN (all bits set), see the module docstring
+
 _local = threading.local()
 
 
+def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A buffer a kernel fills completely: uninitialised, or with ``POISON`` NaN (-1 in an
+    integer dtype)."""
+    if POISON:
+        return torch.full(shape, math.nan if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _new(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Every scratch buffer comes from here (tests swap in a NaN fill, then ``clear``)."""
+    """Every scratch buffer comes from here (with ``POISON``: 0xFF bytes, NaN in every float dtype)."""
+    if POISON:
+        return torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 

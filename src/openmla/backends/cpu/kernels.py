@@ -103,8 +103,8 @@ def _no_grad(fn):
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Every output the kernels fill completely comes from here (tests swap in a NaN fill)."""
-    return torch.empty(shape, dtype=dtype)
+    """Every output the kernels fill completely: ``workspace.empty_output`` on the CPU."""
+    return workspace.empty_output(shape, dtype)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

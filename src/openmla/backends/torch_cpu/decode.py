@@ -48,11 +48,6 @@ MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) per dense chunk, so a block
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path (tokens x slots): one block's worth
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Output buffers whose every row a call writes (tests swap this for a NaN fill)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 # The online softmax, shared with prefill ------------------------------------------------------
 class OnlineSoftmax:
     """Softmax attention of some query rows, accumulated over key blocks (flash-attention style).
@@ -250,8 +245,8 @@ def decode(
     mm_dtype = score_dtype(q_abs.dtype, plan.batch.compute_dtype)
     stat = torch.float64 if mm_dtype == torch.float64 else torch.float32
     q = q_abs.to(mm_dtype).contiguous()
-    out = _alloc((T, H, kv_lora_rank), stat, device)
-    lse = _alloc((T, H), stat, device)
+    out = workspace.empty_output((T, H, kv_lora_rank), stat, device)
+    lse = workspace.empty_output((T, H), stat, device)
     if spec.sparse is None:
         # bf16 query and cache: P x V on the stored rows (the bf16 GEMM the inputs' dtype promised),
         # only the scores widened; a wider query keeps float32 values.

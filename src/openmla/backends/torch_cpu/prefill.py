@@ -29,6 +29,7 @@ import torch
 from ...chunks import default_buffer_size
 from ...combine import apply_sink
 from ...masks import MaskVariant
+from ...workspace import empty_output
 from .decode import OnlineSoftmax, _finite, fully_visible
 
 if TYPE_CHECKING:
@@ -47,11 +48,6 @@ DEFAULT_BLOCK_M = 128
 DEFAULT_BLOCK_N = 256
 MIN_BLOCK_M = 64
 SCORE_BLOCK_ELEMS = 4 * 2**20
-
-
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer this module fills completely comes from here (tests poison it with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,7 +114,7 @@ def _head_major_keys(k_nope: torch.Tensor, rope: torch.Tensor, dtype: torch.dtyp
     """Keys ``[H, S, Dn+R]`` in ``dtype`` (the score product's): per-head ``k_nope [S, H, Dn]`` next
     to the shared ``rope [S, R]``."""
     S, H, Dn = k_nope.shape
-    k = _alloc((H, S, Dn + rope.shape[1]), dtype, k_nope.device)
+    k = empty_output((H, S, Dn + rope.shape[1]), dtype, k_nope.device)
     k[:, :, :Dn] = k_nope.transpose(0, 1)
     k[:, :, Dn:] = rope
     return k
@@ -156,7 +152,7 @@ def _output(state: OnlineSoftmax, dtype: torch.dtype, attn_sink: torch.Tensor | 
     H, T, Dv = acc.shape
     lse = lse.t().contiguous()
     if attn_sink is None:
-        return _alloc((T, H, Dv), dtype, acc.device).copy_(acc.transpose(0, 1)), lse.float()
+        return empty_output((T, H, Dv), dtype, acc.device).copy_(acc.transpose(0, 1)), lse.float()
     out = acc.transpose(0, 1).contiguous()  # the sink scales in the state's dtype, then one cast
     apply_sink(out, lse, attn_sink, token_seq.to(acc.device))
     return out.to(dtype), lse.float()

@@ -15,14 +15,10 @@ from __future__ import annotations
 import torch
 
 from ...shared_kv_spec import physical_rows
+from ...workspace import empty_output
 
 # Entries gathered per chunk (chunk rows x keys per row x D): ~16 MB of float32.
 CHUNK_ELEMENTS = 1 << 22
-
-
-def _alloc(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Output buffers (tests replace this with NaN-filled ones, so a row left unwritten shows)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _gather(store, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,8 +42,8 @@ def shared_kv_attention(plan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     T, H, D = q.shape
     dev = q.device
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32  # the plan made the entries q's dtype
-    out = _alloc((T, H, D), cd, dev)
-    lse = _alloc((T, H), cd, dev)
+    out = empty_output((T, H, D), cd, dev)
+    lse = empty_output((T, H), cd, dev)
     Wk, Nc = plan.window_keys, plan.compressed_keys
     ck = spec.compressed
     keys_per_row = Wk + Nc

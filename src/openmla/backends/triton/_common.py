@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ...fp8 import FP8, FP8_MAX, ds_mla_views
 from ...masks import MaskKind, MaskVariant
+from ...workspace import empty_output  # noqa: F401  (every buffer a kernel fills: the backend calls _common.empty_output)
 
 # Read once, like triton.jit does: TRITON_INTERPRET must be set before this backend is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -69,12 +70,6 @@ def gpu_kind(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     return "amd" if torch.version.hip else "nvidia"
-
-
-def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer a kernel fills is allocated here (tests swap in a NaN-filled version to
-    prove each output element is written)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def cache_layer(batch, layer_idx: int) -> tuple[torch.Tensor, int]:

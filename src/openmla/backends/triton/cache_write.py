@@ -151,7 +151,7 @@ def write_cache(
     DN = QD - R
     if DN < 0:  # the kernel would address q_out's rope part before the row: refuse (host shapes only)
         raise ValueError(f"q: depth {QD} is smaller than the rope width {R} (kv width minus kv_norm_gamma's)")
-    q_out = _common.empty((T, H, QD), q.dtype, q.device)
+    q_out = _common.empty_output((T, H, QD), q.dtype, q.device)
     if T == 0:
         return q_out
     q = q.contiguous() if q.stride(2) != 1 else q

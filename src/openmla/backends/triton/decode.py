@@ -339,11 +339,11 @@ def decode_into(
     T, H, D = q.shape
     L, R = kv_lora_rank, D - kv_lora_rank
     dev = q.device
-    out = out if out is not None else _common.empty((T, H, L), q.dtype, dev)
-    lse = lse if lse is not None else _common.empty((T, H), torch.float32, dev)
+    out = out if out is not None else _common.empty_output((T, H, L), q.dtype, dev)
+    lse = lse if lse is not None else _common.empty_output((T, H), torch.float32, dev)
     if workspace is None:
-        workspace = (_common.empty((num_splits, T, H, L), torch.float32, dev),
-                     _common.empty((num_splits, T, H), torch.float32, dev))
+        workspace = (_common.empty_output((num_splits, T, H, L), torch.float32, dev),
+                     _common.empty_output((num_splits, T, H), torch.float32, dev))
     o_part, lse_part = workspace[0][:num_splits], workspace[1][:num_splits]
     if T == 0:
         return out, lse

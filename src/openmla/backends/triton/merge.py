@@ -90,9 +90,9 @@ def merge_parts(
     S, T, H, D = o_parts.shape
     dev = o_parts.device
     if out is None:
-        out = _common.empty((T, H, D), out_dtype, dev)
+        out = _common.empty_output((T, H, D), out_dtype, dev)
     if lse_out is None:
-        lse_out = _common.empty((T, H), torch.float32, dev)
+        lse_out = _common.empty_output((T, H), torch.float32, dev)
     if T == 0 or H == 0:
         return out, lse_out
     if o_parts.stride(3) != 1 or out.stride(2) != 1 or lse_out.stride(1) != 1:

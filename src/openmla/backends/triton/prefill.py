@@ -202,8 +202,8 @@ def flare_mla_prefill(q, k, v, buffer_row_offsets, cache_offsets, batch: CacheBa
     and float32 ``lse [T, H]`` over this chunk's keys."""
     _common.check_device(q)
     T, H, _ = q.shape
-    out = _common.empty((T, H, v.shape[2]), q.dtype, q.device)
-    lse = _common.empty((T, H), torch.float32, q.device)
+    out = _common.empty_output((T, H, v.shape[2]), q.dtype, q.device)
+    lse = _common.empty_output((T, H), torch.float32, q.device)
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
     flare_prefill_into(q, k, v, _common.as_index(buffer_row_offsets), _common.as_index(cache_offsets), batch, layer_idx,
                        out, lse, scale=scale, mask=mask, max_new_tokens=batch.max_new_tokens, tile=tile)
@@ -265,8 +265,8 @@ def prefill(q: torch.Tensor, batch: CacheBatch, layer_idx: int, w_k: torch.Tenso
     if q.stride(2) != 1:
         q = q.contiguous()
     # Slot 0 holds the running result, slot 1 the newest chunk; merge_parts folds 1 into 0.
-    o_parts = _common.empty((2, T, H, DV), torch.float32, dev)
-    lse_parts = _common.empty((2, T, H), torch.float32, dev)
+    o_parts = _common.empty_output((2, T, H, DV), torch.float32, dev)
+    lse_parts = _common.empty_output((2, T, H), torch.float32, dev)
     for c in range(chunks.num_chunks):
         if chunks.lengths[c] <= 0 and c > 0:
             break

@@ -174,10 +174,10 @@ def shared_kv_into(q: torch.Tensor, plan, *, num_splits: int | None = None, conf
     comp_items = plan.compressed_keys if ck is not None else 0
     if num_splits is None:
         num_splits = default_num_splits(T, H, plan.window_keys + comp_items, dev, block_h)
-    o_part = _common.empty((num_splits, T, H, D), torch.float32, dev)
-    lse_part = _common.empty((num_splits, T, H), torch.float32, dev)
+    o_part = _common.empty_output((num_splits, T, H, D), torch.float32, dev)
+    lse_part = _common.empty_output((num_splits, T, H), torch.float32, dev)
     if T == 0:
-        return _common.empty((T, H, D), out_dtype, dev), _common.empty((T, H), torch.float32, dev)
+        return _common.empty_output((T, H, D), out_dtype, dev), _common.empty_output((T, H), torch.float32, dev)
     if q.stride(2) != 1:
         q = q.contiguous()
     raw = plan.raw
