@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import openmla  # noqa: E402
 from openmla import CacheBatch  # noqa: E402
 from openmla.backends.triton import _common  # noqa: E402
-from openmla.backends.triton.aot import roofline  # noqa: E402
+from openmla_tools.compile_report import roofline  # noqa: E402
 from openmla.cache import HostLists  # noqa: E402
 from openmla.backends.triton.decode import decode_config, decode_into, default_num_splits  # noqa: E402
 from openmla.backends.triton.prefill import flare_prefill_into, gather_up_project, prefill_config  # noqa: E402
@@ -72,7 +72,7 @@ if ARGS.dry_run:
     PREFILL = [(1, 40), (3, 12)]  # (B, new tokens each)
     PREFILL_H, PAGE, WRITE_T = 2, 16, 16
     WARMUP, ITERS, GRAPH_REPLAYS = 1, 2, 2
-else:  # the shapes of the static roofline (python -m openmla.backends.triton.aot)
+else:  # the shapes of the static roofline (openmla compile-report)
     DIMS = dict(L=roofline.L, R=roofline.R, Dn=roofline.DN, Dv=roofline.DV)
     DECODE, FP8_DECODE, PREFILL = roofline.DECODE, roofline.FP8_DECODE, roofline.PREFILL
     PREFILL_H, PAGE, WRITE_T = roofline.PREFILL_H, 64, roofline.WRITE_T

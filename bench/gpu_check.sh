@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check of openmla, at most 10 minutes (stage limits 540 s, plus 10 s grace each after SIGINT):
 #   1. tests   the Triton tests compiled on the GPU (test_triton_backend / _fp8 / _bounds), 210 s;
-#   2. report  bench/gpu_report_check.py: the compile report (python -m openmla.backends.triton.aot)
+#   2. report  bench/gpu_report_check.py: the compile report (openmla compile-report)
 #              against what a real launch compiles on this GPU: registers, local memory, shared memory, 75 s;
 #   3. graph   bench/gpu_graph.py: a 61-layer decode step (DeepSeek-V3's layer count) captured in one
 #              CUDA graph from a plan with fixed capacities, replayed after plan.refill, compared with eager runs, 85 s;

@@ -1,4 +1,4 @@
-"""On a CUDA GPU: does the compile report (``python -m openmla.backends.triton.aot``) describe the
+"""On a CUDA GPU: does the compile report (``openmla compile-report``) describe the
 kernels a real launch compiles?
 
     python bench/gpu_report_check.py [--out DIR] [--select ci|all]
@@ -25,12 +25,12 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 
-from openmla.backends.triton.aot.compile import Task, compile_many  # noqa: E402
-from openmla.backends.triton.aot.launches import all_cases, record  # noqa: E402
-from openmla.backends.triton.aot.report import labels  # noqa: E402
-from openmla.backends.triton.aot.select import SUBSETS, Heaviest, matches  # noqa: E402
-from openmla.backends.triton.aot.specialize import specialize  # noqa: E402
-from openmla.backends.triton.aot.targets import TARGETS  # noqa: E402
+from openmla_tools.compile_report.compile import Task, compile_many  # noqa: E402
+from openmla_tools.compile_report.launches import all_cases, record  # noqa: E402
+from openmla_tools.compile_report.report import labels  # noqa: E402
+from openmla_tools.compile_report.select import SUBSETS, Heaviest, matches  # noqa: E402
+from openmla_tools.compile_report.specialize import specialize  # noqa: E402
+from openmla_tools.compile_report.targets import TARGETS  # noqa: E402
 
 TARGET_OF_CAPABILITY = {(9, 0): "sm_90", (10, 0): "sm_100"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from openmla_tools.cli import main
 
 
@@ -41,3 +43,12 @@ def test_accuracy_measures_each_format_against_float64_and_bf16(tmp_path, capsys
     assert set(result["model"]["formats"]) == {"fp32", "bf16", "fp8_ds_mla", "nvfp4_fp8rope"}
     assert "| nvfp4_fp8rope | 352 |" in (tmp_path / "acc.md").read_text()
     assert main(["accuracy", "--formats", "fp6"]) == 2 and "formats: unknown ['fp6']" in capsys.readouterr().out
+
+
+def test_compile_report_is_a_subcommand(capsys):
+    """``openmla compile-report`` takes the compile report's arguments (openmla_tools.compile_report)."""
+    with pytest.raises(SystemExit):
+        main(["compile-report", "--help"])
+    assert "--select" in capsys.readouterr().out
+    assert main(["compile-report", "--summary", "x.json", "--select", "ci"]) == 2  # --summary takes the full report
+    assert "--summary takes the full report" in capsys.readouterr().out

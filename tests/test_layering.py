@@ -1,6 +1,7 @@
 """The library does not lean on its tools: every ``openmla`` module imports with the tools extra's
 packages (``rich``, ``matplotlib``) missing, no ``openmla`` source file imports ``openmla_tools``,
-and the ``openmla`` command, without ``rich``, says which extra to install."""
+no ``openmla`` module is a command (the front ends live in ``openmla_tools``), and the ``openmla``
+command, without ``rich``, says which extra to install."""
 
 from __future__ import annotations
 
@@ -91,6 +92,17 @@ def test_no_library_source_imports_the_tools_package():
                 continue
             offenders += [f"{p.relative_to(SRC)}:{node.lineno}: {n}" for n in names if n.split(".")[0].split(":")[0] == "openmla_tools"]
     assert not offenders, offenders
+
+
+def test_no_library_module_is_a_command():
+    """No ``__main__`` and no argument parsing in ``openmla``: ``python -m openmla_tools`` and
+    ``python -m openmla_tools.compile_report`` are the commands."""
+    mains = sorted(str(p.relative_to(SRC)) for p in (SRC / "openmla").rglob("__main__.py"))
+    parsers = sorted(str(p.relative_to(SRC)) for p in (SRC / "openmla").rglob("*.py")
+                     if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "argparse" in
+                            ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""])
+                            for n in ast.walk(ast.parse(p.read_text(), str(p)))))
+    assert not mains and not parsers, (mains, parsers)
 
 
 def test_the_command_without_rich_names_the_extra():

@@ -1,6 +1,6 @@
 """The Triton kernels compiled, without a GPU, for Hopper (sm_90), Blackwell (sm_100) and MI300X
-(gfx942) as a real launch specialises them: ``python -m openmla.backends.triton.aot --select ci``
-(chosen by rule, ``aot/select.py``, from the committed summary of the full report,
+(gfx942) as a real launch specialises them: ``openmla compile-report --select ci``
+(chosen by rule, ``openmla_tools/compile_report/select.py``, from the committed summary of the full report,
 docs/triton_compile_report.json: per kernel, target and dot width the variant closest to
 spilling and the one with the most shared memory, plus any binary never measured; the full
 report is the same command without ``--select``). No kernel may spill or
@@ -21,12 +21,12 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'open
 
 import openmla  # noqa: E402
 import torch  # noqa: E402
-from openmla.backends.triton.aot.select import Heaviest, dot_width  # noqa: E402
-from openmla.backends.triton.aot.summary import heaviest, register_pressure  # noqa: E402
-from openmla.backends.triton.aot.targets import TARGETS, AmdLimits, NvidiaLimits  # noqa: E402
+from openmla_tools.compile_report.select import Heaviest, dot_width  # noqa: E402
+from openmla_tools.compile_report.summary import heaviest, register_pressure  # noqa: E402
+from openmla_tools.compile_report.targets import TARGETS, AmdLimits, NvidiaLimits  # noqa: E402
 
 SUMMARY = Path(__file__).resolve().parents[1] / "docs" / "triton_compile_report.json"
-REGENERATE = "python -m openmla.backends.triton.aot --summary docs/triton_compile_report.json"
+REGENERATE = "openmla compile-report --summary docs/triton_compile_report.json"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("aot") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(openmla.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-W", "ignore", "-m", "openmla.backends.triton.aot", "--select", "ci", "--no-roofline",
+    cmd = [sys.executable, "-W", "ignore", "-m", "openmla_tools.compile_report", "--select", "ci", "--no-roofline",
            "--jobs", "2", "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if not out.exists():

@@ -1,5 +1,6 @@
-"""``openmla demo | bench | check | build | generate | models``: the main job, the benchmarks, a smoke test for a
-new machine, the ahead-of-time build of the native CPU kernels, and whole models."""
+"""``openmla demo | bench | check | build | compile-report | generate | models``: the main job, the benchmarks, a
+smoke test for a new machine, the ahead-of-time build of the native CPU kernels, the Triton compile report, and
+whole models."""
 
 from __future__ import annotations
 
@@ -192,6 +193,16 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+# compile-report -----------------------------------------------------------------------
+def cmd_compile_report(args: argparse.Namespace) -> int:
+    from .compile_report.command import argument_error, run
+
+    why = argument_error(args)
+    if why:
+        raise ValueError(why)
+    return run(args)
+
+
 # entry point --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from openmla.hf.presets import DEMO_MODELS  # the whole-model demos (built with transformers when run)
@@ -253,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("build", help="compile the native CPU kernels now (otherwise on first use)")
     k.add_argument("--verbose", action="store_true", help="show the compiler's output")
     k.set_defaults(func=cmd_build)
+
+    from .compile_report.command import DESCRIPTION as REPORT, add_arguments as add_report_arguments
+
+    r = sub.add_parser("compile-report", help=REPORT + " (needs triton)", description=REPORT)
+    add_report_arguments(r)
+    r.set_defaults(func=cmd_compile_report)
 
     from .hf.cli import add_generate_parser, add_models_parser  # openmla generate / models (need transformers when run)
 

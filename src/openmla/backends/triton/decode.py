@@ -247,7 +247,7 @@ def _num_sms(device: torch.device) -> int:
 # Stage-1 tiles (BLOCK_H, BLOCK_N, num_warps, num_stages), per GPU kind (``_common.gpu_kind``).
 # Half-precision dots: by (cache format, more than 16 heads); float32 dots (FMA loops: 16 x 16):
 # by cache format. Every entry compiles without spills as launched, on sm_90 and
-# sm_100 ("nvidia") or gfx942 ("amd"): ``python -m openmla.backends.triton.aot``. Not yet tuned
+# sm_100 ("nvidia") or gfx942 ("amd"): ``openmla compile-report``. Not yet tuned
 # by measurement on a GPU.
 _TILE_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
 DECODE_TILES = {

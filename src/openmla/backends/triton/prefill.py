@@ -124,7 +124,7 @@ def _flare_prefill_kernel(
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU kind (``_common.gpu_kind``), for half-precision
 # dots and for float32 dots (FMA loops: small tiles; 8 warps on fp8_ds_mla caches, where 4 spill
 # 8 bytes on sm_90). Every entry compiles without spills as launched on sm_90 and sm_100
-# ("nvidia") or gfx942 ("amd"): ``python -m openmla.backends.triton.aot``. gfx942 takes one
+# ("nvidia") or gfx942 ("amd"): ``openmla compile-report``. gfx942 takes one
 # stage: with 3 the 128 x 32 tile spills 2-32 VGPRs, with 2 one.
 _TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 PREFILL_TILES = {

@@ -128,7 +128,7 @@ def _shared_kv_split_kernel(
 # for half-precision dots by "more than 16 heads", for float32 dots (FMA loops) 16 x 16 on one
 # stage. The entry is as wide as decode's latent (512 for V4), so these are decode's native
 # tiles (``decode.DECODE_TILES``); compiled for sm_90, sm_100 and gfx942 by
-# ``python -m openmla.backends.triton.aot``. Not yet tuned by measurement on a GPU.
+# ``openmla compile-report``. Not yet tuned by measurement on a GPU.
 _TILE_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
 SHARED_KV_TILES = {
     "nvidia": {False: (16, 32, 4, 2), True: (32, 32, 8, 2), "float32": (16, 16, 4, 1)},

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .summary import register_pressure
 
-SUMMARY = Path(__file__).resolve().parents[5] / "docs" / "triton_compile_report.json"
+SUMMARY = Path(__file__).resolve().parents[3] / "docs" / "triton_compile_report.json"
 
 
 def dot_width(row: dict) -> int:

@@ -1,7 +1,7 @@
 """The committed summary of the full report (``docs/triton_compile_report.json``): one line per
 row, what it needs from the target, and how long each target took.
 
-``python -m openmla.backends.triton.aot --summary docs/triton_compile_report.json`` writes it
+``openmla compile-report --summary docs/triton_compile_report.json`` writes it
 (``--targets`` one at a time merges: rows of the targets compiled replace that file's rows of
 those targets), and the table of the heaviest rows in the Markdown file of the same name. The CI
 subset is chosen from it (``select.Heaviest``); ``tests/test_triton_compile.py`` checks that it
@@ -35,7 +35,7 @@ def merge(report: dict, path: str | Path) -> dict:
     elapsed = {t: s for t, s in old.get("elapsed_s", {}).items() if t not in targets}
     key = ",".join(report["targets"])
     elapsed[key] = report["elapsed_s"]
-    out = {"command": "python -m openmla.backends.triton.aot --summary PATH [--targets T]",
+    out = {"command": "openmla compile-report --summary PATH [--targets T]",
            "elapsed_s": elapsed, "failures": sorted({*[f for f in old.get("failures", []) if f.split()[0] not in targets],
                                                      *report["failures"]}),
            "rows": rows}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ....fp8 import ds_mla_record_bytes
+from openmla.fp8 import ds_mla_record_bytes
 
 L, R, DN, DV = 512, 64, 128, 128
 BF16 = 2

@@ -22,22 +22,20 @@ import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
 from triton.runtime.jit import JITFunction
 
-from ....cache import CacheBatch
-from ....fp8 import FP8, ds_mla_record_bytes
-from ....masks import MaskVariant
-from types import SimpleNamespace
-
-from ....shared_kv_spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec
-from .. import _common, cache_write, decode, merge, prefill, shared_kv
+from openmla.backends.triton import _common, cache_write, decode, merge, prefill, shared_kv
+from openmla.cache import CacheBatch
+from openmla.fp8 import CACHE_FORMATS, FP8, ds_mla_record_bytes
+from openmla.masks import MaskVariant
+from openmla.shared_kv_spec import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec
 
 L, R, DN, DV, PAGE = 512, 64, 128, 128, 64
 TOPK = 2048
-CACHE_FORMATS = ("native", "fp8_e4m3", "fp8_ds_mla")
 MASKS = (MaskVariant(), MaskVariant.parse("null"), MaskVariant.parse("sliding_window_causal", window_size=4096),
          MaskVariant.parse("sliding_window_noncausal", window_size=4096), MaskVariant.parse("chunked_causal", chunk_size=8192))
 

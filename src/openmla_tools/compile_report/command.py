@@ -1,6 +1,10 @@
-"""``python -m openmla.backends.triton.aot``: print the compile report (and the static roofline),
-optionally write it as JSON; exit status 1 when a kernel fails to compile, spills or overflows
-shared memory on a target."""
+"""``openmla compile-report`` (or ``python -m openmla_tools.compile_report``): print the compile
+report (and the static roofline), optionally write it as JSON or merge it into the committed
+summary; exit status 1 when a kernel fails to compile, spills or overflows shared memory on a
+target, or is never launched.
+
+Only the arguments' names come from modules that need no triton (``targets``, ``select``,
+``openmla.fp8``), so ``openmla --help`` works without it; ``run`` imports the compiler side."""
 
 from __future__ import annotations
 
@@ -10,24 +14,18 @@ import os
 import sys
 import time
 
-from .. import _common
+from openmla.fp8 import CACHE_FORMATS
 
-if _common.INTERPRET:
-    sys.exit("openmla.backends.triton.aot compiles real kernels: unset TRITON_INTERPRET")
+from .select import SUBSETS
+from .targets import TARGETS
 
-import torch  # noqa: E402
-
-from . import roofline, summary  # noqa: E402
-from .launches import CACHE_FORMATS, all_cases  # noqa: E402
-from .report import build  # noqa: E402
-from .select import SUBSETS  # noqa: E402
-from .targets import TARGETS  # noqa: E402
+DTYPES = "bfloat16,float16,float32"  # query (and native cache) dtypes, by default all
+DESCRIPTION = "compile every Triton kernel launch for sm_90, sm_100 and gfx942 (no GPU needed): registers, spills, shared memory"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m openmla.backends.triton.aot", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
-    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="query (and native cache) dtypes")
+    p.add_argument("--dtypes", default=DTYPES, help="query (and native cache) dtypes")
     p.add_argument("--cache-formats", default=",".join(CACHE_FORMATS))
     p.add_argument("--select", choices=sorted(SUBSETS), help="compile only a named subset of the variants")
     p.add_argument("--no-launch-hints", action="store_true", help="compile without a launch's specialisation (the old report)")
@@ -35,10 +33,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write the report (and the roofline) to this file")
     p.add_argument("--no-roofline", action="store_true")
     p.add_argument("--summary", help="merge the full report's rows into this committed summary (docs/triton_compile_report.json)")
+
+
+def argument_error(a: argparse.Namespace) -> str | None:
+    """Why ``a`` is not a valid combination (None when it is)."""
+    if a.summary and (a.select or a.no_launch_hints or a.dtypes != DTYPES
+                      or a.cache_formats != ",".join(CACHE_FORMATS)):
+        return "--summary takes the full report: no --select, --no-launch-hints, --dtypes or --cache-formats"
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m openmla_tools.compile_report", description=DESCRIPTION)
+    add_arguments(p)
     a = p.parse_args(argv)
-    if a.summary and (a.select or a.no_launch_hints or a.dtypes != p.get_default("dtypes")
-                      or a.cache_formats != p.get_default("cache_formats")):
-        p.error("--summary takes the full report: no --select, --no-launch-hints, --dtypes or --cache-formats")
+    why = argument_error(a)
+    if why:
+        p.error(why)
     return a
 
 
@@ -61,8 +72,18 @@ def print_row(r: dict) -> None:
     print(f"{where} {r['variant']:52s} {launch:8s} {_resources(r)}  [{r['compile_s']:.1f} s]", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def run(a: argparse.Namespace) -> int:
+    """The report for parsed (and checked: ``argument_error``) arguments; the exit status."""
+    from openmla.backends.triton import _common
+
+    if _common.INTERPRET:
+        sys.exit("the compile report compiles real kernels: unset TRITON_INTERPRET")
+    import torch
+
+    from . import roofline, summary
+    from .launches import all_cases
+    from .report import build
+
     targets = a.targets.split(",")
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
@@ -87,5 +108,5 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report["failures"] or missing else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
