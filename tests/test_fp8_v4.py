@@ -3,6 +3,7 @@ within the format's rounding, rows that touch only their own bytes, errors that 
 
 from __future__ import annotations
 
+import math
 import struct
 
 import pytest
@@ -99,3 +100,45 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="rows"):
         fp8_v4.write_rows(pages, 16, torch.tensor([0, 1]), torch.randn(1, 512))
     assert not pages.any()  # nothing written by a refused call
+
+
+def test_a_v4_store_exchanged_through_flashmla_pages_attends_as_its_entries():
+    """A V4 raw store's layer packed into FlashMLA's pages and unpacked again keeps its page ids
+    (the store's block table indexes both); attention over it equals the float64 reference on the
+    dequantised entries, and stays within what the fp8 rounding can move it from the original."""
+    from openmla import reference as ref
+    from openmla.v4 import EntryLayout, PagedEntries, SharedKVSpec, fp8_v4 as exported, shared_kv_attention
+    from openmla.v4.cache import V4Cache, V4Layout
+
+    assert exported is fp8_v4  # openmla.v4's public name for the format
+    S, window, lengths = 16, 40, [37, 50, 5]
+    layout = V4Layout(("sliding_attention",), width=fp8_v4.ENTRY, rope_dim=fp8_v4.ROPE, window=window, rates=())
+    cache = V4Cache(layout, num_pages=12, page_size=S, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    ids = list(range(len(lengths)))
+    cache.extend(ids, lengths)
+    table = cache.raw.table(ids)
+    cache.raw.write(0, cache.raw.rows(table, lengths), torch.randn(sum(lengths), fp8_v4.ENTRY, generator=g) * 2)
+    original = cache.raw.blocks[0].clone()
+
+    pages = fp8_v4.pack_pages(cache.raw.blocks[0])  # what FlashMLA's MODEL1_FP8Sparse cache would hold
+    assert pages.shape == (12, fp8_v4.page_bytes(S)) and pages.dtype == torch.uint8
+    cache.raw.blocks[0].copy_(fp8_v4.unpack_pages(pages, S))  # and back into the store, page for page
+
+    H, new = 4, [3, 1, 2]  # the last tokens of each sequence are this call's queries
+    q = torch.randn(sum(new), H, fp8_v4.ENTRY, generator=g)
+    offsets = torch.tensor([0, 3, 4, 6])
+    spec = SharedKVSpec(fp8_v4.ENTRY ** -0.5, window, EntryLayout(fp8_v4.ENTRY, fp8_v4.ROPE))
+    got, lse = shared_kv_attention(q, offsets, cache.raw.view(0, table), spec, backend="torch")
+    want, want_lse = ref.shared_kv_attention(q, offsets, cache.raw.view(0, table), spec)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+    # Against the original entries: a value moves by at most max|dv|, and each score by at most
+    # eps = scale * max |q . dk|, so the softmax weights move by at most e^(2 eps) - 1 in sum.
+    before, _ = ref.shared_kv_attention(q, offsets, PagedEntries(original, *table), spec)
+    delta = (cache.raw.blocks[0] - original).double()
+    eps = spec.scale * float((q.double().reshape(-1, fp8_v4.ENTRY) @ delta.reshape(-1, fp8_v4.ENTRY).T).abs().max())
+    bound = float(delta.abs().max()) + (math.exp(2 * eps) - 1) * float(original.abs().max())
+    err = float((got.double() - before).abs().max())
+    assert 0 < err <= bound, (err, bound)
