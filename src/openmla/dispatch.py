@@ -2,7 +2,9 @@
 
 Every kernel call goes through here: the cache write, attention (decode or prefill form), the
 decode form's absorption and output projection, one prefill chunk with given keys (MAX's
-``flare_mla_prefill``) and V4's shared-KV attention. Each runs the same function either way:
+``flare_mla_prefill``), V4's shared-KV attention, and the write of given entries at given
+physical rows of one layer (``write_rows``: an engine that norms and ropes the entries itself,
+the vLLM plugin; no plan: the backend is the device's default). Each runs the same function either way:
 eagerly it is called directly; under ``torch.compile`` through an ``openmla::`` custom op whose
 implementation is that function. The op carries the plan as a ``PlanHandle``, an opaque
 reference that ``torch.compile`` makes an input of the graph (never baked in), so a new plan
@@ -14,6 +16,7 @@ cast to the caller's dtype.
 | op | mutates | returns |
 |---|---|---|
 | ``openmla::write_cache`` | ``blocks`` (the cache) | q with its rope part rotated |
+| ``openmla::write_rows`` | ``layer`` (one layer's storage) | - |
 | ``openmla::attention`` (``form="decode"``) | - | ``(out [T, H, L], lse [T, H])`` from absorbed q |
 | ``openmla::attention`` (``form="prefill"``) | - | ``(out [T, H, Dv], lse [T, H])`` from roped q, ``w_k``, ``w_uv`` |
 | ``openmla::absorb`` | - | ``q_abs [T, H, L+R]`` from roped q and ``w_uk`` |
@@ -97,6 +100,35 @@ def write(plan, layer_idx: int, q: Tensor, kv: Tensor, freqs_cis: Tensor, gamma:
         return torch.ops.openmla.write_cache(q, kv, freqs_cis, gamma, plan.batch.blocks, plan.handle, layer_idx, epsilon,
                                              interleaved, plan.backend.result_dtypes(q.dtype)[0])
     return _write(plan, layer_idx, q, kv, freqs_cis, gamma, epsilon, interleaved)
+
+
+# Given entries at given rows of one layer (no plan) ----------------------------------------
+def _write_rows(layer: Tensor, rows: Tensor, entries: Tensor, scale: Optional[Tensor], cache_format: str,
+                kv_lora_rank: int, backend: Optional[str]) -> None:
+    from .backends import load_backend, resolve_backend_name
+    from .formats import cache_format as format_of
+
+    load_backend(resolve_backend_name(backend, layer.device)).write_rows(format_of(cache_format), layer, rows, entries,
+                                                                         kv_lora_rank, scale)
+
+
+@torch.library.custom_op("openmla::write_rows", mutates_args=("layer",))
+def _write_rows_op(layer: Tensor, rows: Tensor, entries: Tensor, scale: Optional[Tensor], cache_format: str,
+                   kv_lora_rank: int, backend: Optional[str]) -> None:
+    _write_rows(layer, rows, entries, scale, cache_format, kv_lora_rank, backend)
+
+
+def write_rows(layer: Tensor, rows: Tensor, entries: Tensor, *, cache_format: str, kv_lora_rank: int,
+               scale: Tensor | None = None, backend: str | None = None) -> None:
+    """Store ``entries [n, L+R]`` (already normed and roped) at physical ``rows`` (int ``[n]``; a
+    negative row is skipped: a padding token) of one layer's storage ``layer [num_pages, page_size,
+    W]`` in ``cache_format`` (an ``openmla.formats`` name), quantised as the format says, with the
+    layer's float32 ``scale`` for a scaled format (fp8_e4m3). Runs on ``backend`` (default: the
+    device's, as ``openmla.plan`` picks it): the cpu backend's native kernel where it reads the
+    format, else the format object's torch write; the bytes are the same."""
+    if torch.compiler.is_compiling():
+        return torch.ops.openmla.write_rows(layer, rows, entries, scale, cache_format, kv_lora_rank, backend)
+    _write_rows(layer, rows, entries, scale, cache_format, kv_lora_rank, backend)
 
 
 # Attention ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ the plan casts them to the caller's dtype (one rule for eager and compiled calls
 
 A new backend is one subclass in one folder and one line in ``openmla.backends.REGISTRY``
 (docs/backends.md walks through it). ``Backend`` is the MLA kernels (cache write, decode, prefill,
-absorb / unabsorb, and the one-chunk prefill MAX's ``flare_mla_prefill`` runs); V4's shared-KV
+absorb / unabsorb, the write of given entries at given rows, and the one-chunk prefill MAX's ``flare_mla_prefill`` runs); V4's shared-KV
 attention is its own protocol (``SharedKVKernels``) that a backend may implement.
 """
 
@@ -27,11 +27,12 @@ from ..formats import CACHE_FORMATS
 
 if TYPE_CHECKING:
     from ..cache import CacheBatch
+    from ..formats import CacheFormat
     from ..chunks import ChunkPlan, ChunkRows, MlaConfigV2
     from ..spec import AttentionSpec
 
-# Every cache format: what a backend that reads and writes the cache only through CacheBatch
-# (read_rows / read_pages / write_rows, which (de)quantise) declares.
+# Every cache format: what a backend that reads and writes the cache only through the format
+# objects (openmla.formats; CacheBatch.read_rows / read_pages / write_rows, which (de)quantise) declares.
 ALL_FORMATS = CACHE_FORMATS
 # What a backend reads unless it declares otherwise: the formats every kernel in the tree reads
 # natively. A backend with kernels of its own lists what they read; the NVFP4 record formats
@@ -104,6 +105,17 @@ class Backend:
                           chunk: "ChunkRows", spec: "AttentionSpec", tile: "MlaConfigV2 | None") -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``; LSE over its keys."""
         raise NotImplementedError(f"the {self.name} backend does not implement the flare_mla_prefill kernel")
+
+    def write_rows(self, fmt: "CacheFormat", layer: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor,
+                   kv_lora_rank: int, scale: torch.Tensor | None) -> None:
+        """Store given ``entries [n, L+R]`` at physical ``rows`` (a negative row is skipped) of one
+        layer's storage ``layer [num_pages, page_size, W]`` in format ``fmt`` (``scale``: the layer's,
+        for a scaled format). Default: the format object's write (torch ops; a negative row costs
+        one host read of the rows)."""
+        keep = rows >= 0
+        if not bool(keep.all()):
+            rows, entries = rows[keep], entries[keep]
+        fmt.write(layer, rows, entries, kv_lora_rank, scale)
 
     # Around the decode form (defaults: openmla.combine's unfused definitions) ---------------
     def absorb(self, q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ pages, page table, host lengths, the prefill chunk plan) and calls ``kernels``.
 | primitive | work |
 |---|---|
 | ``write_cache`` | one native pass: RMSNorm, RoPE, paged store (fp8 / NVFP4 quantised), q's rope |
+| ``write_rows`` | given entries at given physical rows (the vLLM plugin's write): one native pass, the same quantisers |
 | ``decode`` | one native call (dense or sparse, split-KV, sinks; fp8 and NVFP4 dequantised in the kernel, |
 | | next to the products for dense float32 units on AVX2 CPUs: ``csrc/decode_reg.h``) |
 | ``prefill`` | dense: per chunk of the plan, a native gather, two torch matmuls (K/V up-projection) |
@@ -100,6 +101,17 @@ class CpuBackend(Backend):
                 _compute_dtype(plan.batch, **{name: t})  # raises, naming it
         return kernels.write_cache(q, kv, freqs_cis, kv_norm_gamma, _layer(plan.batch, layer_idx), epsilon=epsilon,
                                    interleaved=interleaved)
+
+    def write_rows(self, fmt, layer, rows, entries, kv_lora_rank, scale):
+        """One native pass where the kernel reads the format and the tensors (CPU, unit-stride rows,
+        bf16 / fp16 / float32 entries, no autograd); else the format object's torch write."""
+        code = fmt.kernel_code(layer.dtype)
+        if (code is None or layer.device.type != "cpu" or entries.device.type != "cpu" or rows.device.type != "cpu"
+                or layer.dim() != 3 or layer.stride(-1) != 1 or entries.dim() != 2 or entries.dtype not in kernels.ROWS_DTYPES
+                or entries.requires_grad):
+            return super().write_rows(fmt, layer, rows, entries, kv_lora_rank, scale)
+        kernels.write_rows(entries, layer, rows, fmt=code, kv_scale=1.0 if scale is None else float(scale),
+                           kv_lora_rank=kv_lora_rank)
 
     def absorb(self, q_rot: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """One native call (``w_uk`` packed once, see ``packed``) where the kernel takes the inputs."""

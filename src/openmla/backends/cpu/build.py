@@ -6,6 +6,10 @@ set flags and a hash of the sources: a machine (or torch) change gets its own bu
 one loads in milliseconds. The code is compiled for the build machine (``-march=native``);
 oneDNN's brgemm picks AMX or AVX-512 at run time.
 
+The cache-format and mask codes come from ``openmla.kernel_codes`` (one table for Python and C++):
+before compiling, the build writes its ``header()`` into the build folder as ``codes.h`` (on the
+include path; ``csrc/common.h`` includes it), and the header's text is part of the key.
+
 Tests set ``OPENMLA_CPU_TEST_HOOKS=1`` (tests/conftest.py): that process builds and loads a
 variant with test hooks (NaN-filled scratch, a switch for the own AMX kernel, a count of its
 units) under its own key; the library users load has none of them.
@@ -28,6 +32,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from ... import kernel_codes
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("openmla_cpu.cpp",)
@@ -85,12 +91,13 @@ def compile_flags(flags: list[str]) -> list[str]:
 
 
 def build_key() -> str:
-    """Hash of the torch version, the CPU flags and the kernel sources."""
+    """Hash of the torch version, the CPU flags, the kernel sources and the generated codes header."""
     h = hashlib.sha256()
     h.update(torch.__version__.encode())
     h.update(" ".join(cpu_flags()).encode())
     h.update(b"test-hooks" if test_hooks() else b"")
     h.update(isa_cap().encode())
+    h.update(kernel_codes.header().encode())
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode())
@@ -104,6 +111,17 @@ def build_dir() -> Path:
     return root / "cpu-kernels" / f"torch-{torch.__version__.replace('+', '_')}-{build_key()}"
 
 
+def write_codes_header(folder: Path) -> Path:
+    """``folder/codes.h`` from ``openmla.kernel_codes`` (rewritten only when its text differs, so
+    an unchanged header never triggers a rebuild)."""
+    path, text = folder / "codes.h", kernel_codes.header()
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".h.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)  # atomic: a parallel build never reads half a header
+    return path
+
+
 def load(verbose: bool = False) -> bool:
     """Build (if needed) and load the kernels into ``torch.ops.openmla_cpu``; False (with one
     warning per process) when that is impossible here."""
@@ -115,12 +133,14 @@ def load(verbose: bool = False) -> bool:
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         name = f"openmla_cpu_{folder.name.rsplit('-', 1)[-1]}"
+        write_codes_header(folder)
         if verbose or not (folder / f"{name}.so").exists():
             print(f"openmla: compiling the native CPU kernels into {folder} (once per machine and torch version)",
                   file=sys.stderr, flush=True)
         cpp_extension.load(
             name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=compile_flags(cpu_flags()),
-            extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=verbose,
+            extra_ldflags=["-fopenmp"], extra_include_paths=[str(folder)], build_directory=str(folder),
+            is_python_module=False, verbose=verbose,
         )
         _state["loaded"] = True
     except Exception as exc:  # no compiler, a failed build, an unsupported platform

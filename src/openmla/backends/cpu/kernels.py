@@ -18,16 +18,12 @@ from typing import NamedTuple
 import torch
 
 from ... import workspace
-from ...masks import MaskKind, MaskVariant
+from ...kernel_codes import FORMAT_CODES, MASK_CODES  # the kernels' format and mask codes (the C++ enums are generated from them)
+from ...masks import MaskVariant
 from . import build
 
-__all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "gather",
+__all__ = ["PagedLayer", "MASK_CODES", "FORMAT_CODES", "available", "compute_dtype", "decode", "write_cache", "write_rows", "gather",
            "prefill", "prefill_chunk", "pack_heads", "heads_gemm", "own_amx_runs", "shared_kv"]
-
-MASK_CODES = {MaskKind.CAUSAL: 0, MaskKind.NULL: 1, MaskKind.SLIDING_WINDOW_CAUSAL: 2,
-              MaskKind.SLIDING_WINDOW_NONCAUSAL: 3, MaskKind.CHUNKED_CAUSAL: 4}
-FORMAT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, "fp8_e4m3": 3, "fp8_ds_mla": 4, "nvfp4_ds_mla": 5,
-                "nvfp4_fp8rope": 6}
 
 _bf16_gemm: list[bool] = []
 
@@ -183,6 +179,20 @@ def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamm
         bool(interleaved), q_rot,
     )
     return q_rot
+
+
+ROWS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # entry dtypes write_rows reads
+
+
+@_no_grad
+def write_rows(entries: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, *, fmt: int, kv_scale: float,
+               kv_lora_rank: int) -> None:
+    """Store ``entries [n, L+R]`` (bf16, fp16 or float32) at physical ``rows`` (int ``[n]``; a negative
+    row is skipped) of one layer's ``pages [num_pages, page_size, W]`` in format code ``fmt``,
+    quantised as ``write_cache`` stores (in place)."""
+    entries = entries if entries.stride(-1) == 1 else entries.contiguous()
+    rows = rows if rows.dtype == torch.int64 and rows.is_contiguous() else rows.to(torch.int64).contiguous()
+    build.ops().write_rows(entries, pages, rows, int(fmt), float(kv_scale), int(kv_lora_rank))
 
 
 @_no_grad

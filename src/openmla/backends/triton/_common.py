@@ -17,19 +17,12 @@ import triton
 import triton.language as tl
 
 from ...fp8 import FP8, FP8_MAX, ds_mla_views
-from ...masks import MaskKind, MaskVariant
+from ...kernel_codes import MASK_CODES  # the mask codes of every kernel (openmla.kernel_codes)
+from ...masks import MaskVariant
 from ...workspace import empty_output  # noqa: F401  (every buffer a kernel fills: the backend calls _common.empty_output)
 
 # Read once, like triton.jit does: TRITON_INTERPRET must be set before this backend is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-MASK_CODES = {
-    MaskKind.CAUSAL: 0,
-    MaskKind.NULL: 1,
-    MaskKind.SLIDING_WINDOW_CAUSAL: 2,
-    MaskKind.SLIDING_WINDOW_NONCAUSAL: 3,
-    MaskKind.CHUNKED_CAUSAL: 4,
-}
 
 _ROUND_BY_HAND = tl.constexpr(INTERPRET)
 

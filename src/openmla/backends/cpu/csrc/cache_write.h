@@ -7,6 +7,9 @@
 // stored as the e4m3 NaN byte, byte for byte as the torch writer (docs/fp8.md); the
 // NVFP4 records quantise the float32 entry as openmla.nvfp4 does (store_nvfp4).
 // q's rope part is rotated in float32.
+//
+// The rows write (write_rows_op) stores given entries (already normed and roped: vLLM's) at given
+// physical rows of one layer, through the same quantisers (store_float).
 #pragma once
 
 #include "operands.h"
@@ -164,8 +167,14 @@ struct CacheWriter {
 
   // Round the float64 entry e [L+R] into the stored row ``dst``.
   void store(uint8_t* dst, const double* e, float* tmp) const {
-    const int64_t L = a.cache.L, R = a.cache.R, W = L + R;
+    const int64_t W = a.cache.L + a.cache.R;
     for (int64_t j = 0; j < W; ++j) tmp[j] = (float)e[j];
+    store_float(dst, tmp);
+  }
+
+  // The float32 entry tmp [L+R] as the stored row ``dst`` (quantised as the format says).
+  void store_float(uint8_t* dst, const float* tmp) const {
+    const int64_t L = a.cache.L, R = a.cache.R, W = L + R;
     switch (a.cache.fmt) {
       case FMT_BF16: convert_row(tmp, reinterpret_cast<BFloat16*>(dst), W); break;
       case FMT_F16: convert_row(tmp, reinterpret_cast<Half*>(dst), W); break;
@@ -206,6 +215,56 @@ inline void run_cache_write(const WriteArgs& a) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = seq[t];
       w.token(t, b, a.cache_lens[b] + (t - a.offsets[b]), buf);
+    }
+  });
+}
+
+// The rows write: entries [n, L+R] (bfloat16, float16 or float32, unit last stride) stored at physical rows
+// rows[i] (int64 [n]) of one layer's pages [P, S, W] in format fmt; a negative row is skipped (a
+// padding token). An entry already in a native cache's dtype is copied as its bytes (as torch's
+// index_copy_, NaN payloads kept); any other is read as float32 and stored by store_float.
+inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, const at::Tensor& rows, int64_t fmt,
+                          double kv_scale, int64_t kv_lora_rank) {
+  TORCH_CHECK(entries.device().is_cpu() && entries.dim() == 2 && entries.stride(1) == 1,
+              "openmla cpu: entries must be a CPU [n, L+R] tensor with unit last stride");
+  const at::ScalarType et = entries.scalar_type();
+  TORCH_CHECK(et == at::kBFloat16 || et == at::kHalf || et == at::kFloat, "openmla cpu: entries must be bf16, fp16 or float32");
+  TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.stride(2) == 1, "openmla cpu: pages must be [P, S, W] with unit last stride");
+  TORCH_CHECK(rows.device().is_cpu() && rows.is_contiguous() && rows.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  rows.size(0) == entries.size(0), "openmla cpu: rows must be a contiguous int64 [n] tensor");
+  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_NVFP4_FP8ROPE, "openmla cpu: unknown cache format ", fmt);
+  const int64_t W = entries.size(1), L = kv_lora_rank, R = W - L;
+  TORCH_CHECK(!is_nvfp4(fmt) || (L == NV_LATENT && R == NV_ROPE), "openmla cpu: NVFP4 records hold L = 512 and R = 64");
+  WriteArgs a;
+  PagedCache& c = a.cache;
+  const int64_t elem = pages.element_size();
+  c.base = static_cast<const uint8_t*>(pages.data_ptr());
+  c.page_stride = pages.stride(0) * elem;
+  c.row_stride = pages.stride(1) * elem;
+  c.page_size = pages.size(1);
+  c.fmt = fmt;
+  c.kv_scale = static_cast<float>(kv_scale);
+  c.L = L;
+  c.R = R;
+  TORCH_CHECK(pages.size(2) * elem >= c.stored_bytes(), "openmla cpu: pages rows hold ", pages.size(2) * elem,
+              " bytes, the format stores ", c.stored_bytes());
+  const int64_t n = entries.size(0), num_rows = pages.size(0) * pages.size(1), ld = entries.stride(0) * entries.element_size();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(row[i] < num_rows, "openmla cpu: row ", row[i], " is past the ", num_rows, " rows");
+  const bool raw = (fmt == FMT_BF16 && et == at::kBFloat16) || (fmt == FMT_F16 && et == at::kHalf) || (fmt == FMT_F32 && et == at::kFloat);
+  const uint8_t* src = static_cast<const uint8_t*>(entries.data_ptr());
+  CacheWriter w{a};
+  at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
+    float* tmp = scratch<float>(S_KEYS, round_up(W, 16));
+    for (int64_t i = i0; i < i1; ++i) {
+      if (row[i] < 0) continue;
+      uint8_t* dst = const_cast<uint8_t*>(c.phys(row[i]));
+      if (raw) {
+        std::memcpy(dst, src + i * ld, W * elem);
+      } else {
+        load_any(et, src + i * ld, 0, tmp, W);
+        w.store_float(dst, tmp);
+      }
     }
   });
 }

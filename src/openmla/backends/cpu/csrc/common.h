@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "codes.h"  // the format and mask codes, generated from openmla.kernel_codes by build.py
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -118,8 +120,8 @@ void run_units(int64_t n_units, double work_s, bool uses_vnni, const F& fn) {
 }
 
 // Masks ----------------------------------------------------------------------------------
-// Same kinds and rule as openmla.masks: each query sees one interval of key positions.
-enum MaskKind : int64_t { CAUSAL = 0, NULL_MASK = 1, SLIDING_CAUSAL = 2, SLIDING_NONCAUSAL = 3, CHUNKED = 4 };
+// Same kinds and rule as openmla.masks: each query sees one interval of key positions (the kinds,
+// MaskKind, are in the generated codes.h).
 
 struct Mask {
   int64_t kind = CAUSAL, window = 0, chunk = 0;

@@ -150,10 +150,8 @@ inline void fp8_to_exact(const uint8_t* src, T* dst, int64_t n) {
 
 // Cache formats (openmla.fp8, openmla.nvfp4): native entries, fp8_e4m3 (entry / kv_scale),
 // fp8_ds_mla records (L fp8 latent values, L/128 float32 scales, R bfloat16 rope values), or the
-// two NVFP4 records (L = 512, R = 64 only; see the NVFP4 section below).
-enum CacheFormat : int64_t {
-  FMT_BF16 = 0, FMT_F16 = 1, FMT_F32 = 2, FMT_E4M3 = 3, FMT_DS_MLA = 4, FMT_NVFP4_DS = 5, FMT_NVFP4_FP8ROPE = 6,
-};
+// two NVFP4 records (L = 512, R = 64 only; see the NVFP4 section below). Their codes, CacheFormat
+// (FMT_*), are in the generated codes.h (openmla.kernel_codes).
 constexpr int64_t DS_GROUP = 128;
 
 // NVFP4 records (openmla.nvfp4) ----------------------------------------------------------
