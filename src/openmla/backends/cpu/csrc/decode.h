@@ -210,6 +210,7 @@ struct DecodeKernel {
     float *ref, *sum;
     int32_t *c0, *c1;    // [M] visible block rows of each query row
     int32_t *tlo, *thi;  // [nt] visible key positions of each token (dense)
+    uint64_t* unseen;    // [n_max / 64 + 1] block rows with a non-finite score a column does not see
     float* S;            // [n_max][M] scores, keys-major
     T *PT, *P;           // [n_max][M] and [M][n_max] probabilities
     const T** rows;      // [n_max] a block's key rows
@@ -242,10 +243,12 @@ struct DecodeKernel {
     w.sum = w.ref + M;
     std::fill(w.ref, w.ref + M, NEG_INF);
     std::fill(w.sum, w.sum + M, 0.f);
-    w.c0 = scratch<int32_t>(S_PTRS, 2 * M + 2 * u.nt);
+    const int64_t ints = round_up(2 * M + 2 * u.nt, 2);
+    w.c0 = scratch<int32_t>(S_PTRS, ints + 2 * (w.n_max / 64 + 1));
     w.c1 = w.c0 + M;
     w.tlo = w.c1 + M;
     w.thi = w.tlo + u.nt;
+    w.unseen = reinterpret_cast<uint64_t*>(w.c0 + ints);
     w.S = scratch<float>(S_SCORES, round_up(n_max, 16) * M);
     w.PT = scratch<T>(S_SCORES_T, n_max * M);
     w.P = scratch<T>(S_PROBS, M * n_max);
@@ -317,9 +320,38 @@ struct DecodeKernel {
     }
   }
 
-  // Softmax of a block's scores (S [rows][M]) into P [M][round_up(rows, 32)].
-  void softmax(Unit& w, int64_t rows) const {
-    softmax_keys_major<T>(w.S, w.M, rows, round_up(rows, 32), w.c0, w.c1, a.scale, w.ref, w.sum, w.O, L(), L(), w.PT, w.P);
+  // Softmax of a block's scores (S [rows][M]) into P [M][round_up(rows, 32)]; whether a row has a
+  // non-finite score in a column that does not see it (w.unseen: see softmax_keys_major).
+  bool softmax(Unit& w, int64_t rows) const {
+    return softmax_keys_major<T>(w.S, w.M, rows, round_up(rows, 32), w.c0, w.c1, a.scale, w.ref, w.sum, w.O, L(), L(), w.PT,
+                                 w.P, w.unseen);
+  }
+
+  // The NaN rule for keys some query rows of a block do not see (several tokens of a sequence in
+  // the decode form: a NaN or infinite key written in this step, after an earlier query's
+  // position): each flagged block row j (w.unseen, rows < n) is added here for the query rows that
+  // see it, O[m] += P[m][j] V[j] as the products would (0 x inf = NaN for a -inf score, as the
+  // float64 reference), then ``drop(j)`` takes it out of the block's P x V, so the rows that do
+  // not see it never multiply it (0 x NaN). V[j]: the row's values (L of them). Rare: the common
+  // case flags nothing.
+  template <class Drop>
+  void add_unseen(Unit& w, int64_t n, const T* const* V, Drop drop) const {
+    const int64_t M = w.M, L = this->L();
+    for (int64_t j = 0; j < n; ++j) {
+      if (!(w.unseen[j >> 6] >> (j & 63) & 1)) continue;
+      const T* v = V[j];
+      for (int64_t m = 0; m < M; ++m) {
+        if (!(w.c0[m] <= j && j < w.c1[m])) continue;
+        const float p = static_cast<float>(w.PT[j * M + m]);
+        float* o = w.O + m * L;
+        for (int64_t l = 0; l < L; ++l) {
+          // the own AMX kernel's direct P x V keeps each 32-column chunk as its even, then odd columns
+          const int64_t at = w.direct ? (l & ~int64_t(31)) + ((l & 1) << 4) + ((l & 31) >> 1) : l;
+          o[at] += p * static_cast<float>(v[l]);
+        }
+      }
+      drop(j);
+    }
   }
 
   // P x V with V packed from w.rows (VNNI pairs for bf16) unless ``packed`` already in Vp.
@@ -357,9 +389,23 @@ struct DecodeKernel {
         mm(w, round_up(kb.rows, std::is_same_v<T, float> ? 8 : 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);
       }
       block_columns(w, kb);
-      softmax(w, kb.rows);
+      const bool unseen = softmax(w, kb.rows);
+      if (unseen && !w.direct) {  // flagged rows out of the packed V (in place: it was packed first)
+        if (plan.inplace) block_rows(u.b, kb, w.rows);
+        add_unseen(w, kb.rows, w.rows, [&](int64_t j) {
+          w.rows[j] = nullptr;
+          const int64_t k0 = std::is_same_v<T, float> ? j : j & ~int64_t(1);
+          if (plan.inplace) pack_b_rows_range<T>(w.rows, kb.rows, k0, k0 + k_pair<T>(), L, Vp);
+        });
+      } else if (unseen && !plan.inplace) {  // direct from the key buffer: the flagged rows zeroed
+        for (int64_t r = 0; r < kb.rows; ++r) w.rows[r] = keys + r * D;
+        add_unseen(w, kb.rows, w.rows, [&](int64_t j) { zero_fill(keys + j * D, L * sizeof(T)); });
+      } else if (unseen) {  // direct from the pages: pv_pages stages the groups holding flagged rows
+        block_rows(u.b, kb, w.rows);
+        add_unseen(w, kb.rows, w.rows, [](int64_t) {});
+      }
       if (!w.direct) pv_packed(w, kb.rows, Vp, plan.inplace);
-      else if (plan.inplace) pv_pages(w, kb);
+      else if (plan.inplace) pv_pages(w, kb, unseen);
       else pv_buffer(w, keys, kb.rows);
       pos = kb.b;
     }
@@ -502,7 +548,8 @@ struct DecodeKernel {
     if constexpr (std::is_same_v<T, BFloat16>) {
       if (rb & 1) rows[rb] = zero;
       score_tiles<BF16x>(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M);
-      softmax_pt(w, rb);  // rows past rb are seen by none: a short context is not padded to its page
+      if (softmax_pt(w, rb)) add_unseen(w, rb, rows, [&](int64_t j) { rows[j] = zero; });
+      // rows past rb are seen by none: a short context is not padded to its page
       const int64_t j0 = ra & ~int64_t(1), pairs = (round_up(rb, 2) - j0) / 2;
       pair_probs(w.PT + j0 * M, M, pairs, PP);
       pv_tiles(rows + j0, pairs, PP, M, w.O, L, L, pf);
@@ -512,7 +559,7 @@ struct DecodeKernel {
 #if defined(OPENMLA_F32_TILES)
     if constexpr (std::is_same_v<T, float>) {
       score_tiles<F32x>(rows + ra, rb - ra, w.QT, round_up(M, F32x::W), a.D, w.S + ra * M, M);
-      softmax_pt(w, rb);
+      if (softmax_pt(w, rb)) add_unseen(w, rb, rows, [&](int64_t j) { rows[j] = zero; });
       pv_tiles_f32<F32x>(rows + ra, rb - ra, w.PT + ra * M, M, w.O, L, L, pf);
       return;
     }
@@ -521,9 +568,9 @@ struct DecodeKernel {
   }
 
   // The softmax of a block for the tiles: keys-major P^T only (the tiles broadcast from it).
-  void softmax_pt(Unit& w, int64_t rows) const {
-    softmax_keys_major<T>(w.S, w.M, rows, round_up(rows, 32), w.c0, w.c1, a.scale, w.ref, w.sum, w.O, L(), L(), w.PT,
-                          static_cast<T*>(nullptr));
+  bool softmax_pt(Unit& w, int64_t rows) const {
+    return softmax_keys_major<T>(w.S, w.M, rows, round_up(rows, 32), w.c0, w.c1, a.scale, w.ref, w.sum, w.O, L(), L(), w.PT,
+                                 static_cast<T*>(nullptr), w.unseen);
   }
 
   // The tiles' P pairs (slot S_VPACK: no packed V on the tiles).
@@ -663,22 +710,26 @@ struct DecodeKernel {
 
   // V in place: whole key groups straight from the pages, the (at most two) groups the block
   // only partly sees staged with zeros for the rest (unwritten rows may hold anything).
-  void pv_pages(Unit& w, const KeyBlock& kb) const {
+  void pv_pages(Unit& w, const KeyBlock& kb, bool unseen = false) const {
     const int64_t L = this->L(), row_elems = a.cache.row_stride / (int64_t)sizeof(T);
-    T* stage = scratch<T>(S_STAGE, 2 * 16 * row_elems);
     const T** groups = w.rows;
     const int64_t g0 = (kb.a - kb.base) / 16, g1 = ceil_div(kb.b - kb.base, 16);
+    // staged: the groups a block only partly sees, and (unseen) those holding a flagged row, zeroed
+    T* stage = scratch<T>(S_STAGE, (unseen ? g1 - g0 : 2) * 16 * row_elems);
+    auto flagged = [&](int64_t r) { return unseen && (w.unseen[r >> 6] >> (r & 63) & 1); };
     int64_t staged = 0;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = kb.base + 16 * g;
-      if (p0 >= kb.a && p0 + 16 <= kb.b) {
+      bool whole = p0 >= kb.a && p0 + 16 <= kb.b;
+      for (int64_t r = 16 * g; whole && unseen && r < 16 * g + 16; ++r) whole = !flagged(r);
+      if (whole) {
         groups[g] = reinterpret_cast<const T*>(a.cache.logical(w.u.b, p0));
         continue;
       }
       T* st = stage + (staged++) * 16 * row_elems;
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t p = p0 + r;
-        if (p >= kb.a && p < kb.b) std::memcpy(st + r * row_elems, a.cache.logical(w.u.b, p), L * sizeof(T));
+        if (p >= kb.a && p < kb.b && !flagged(16 * g + r)) std::memcpy(st + r * row_elems, a.cache.logical(w.u.b, p), L * sizeof(T));
         else zero_fill(st + r * row_elems, L * sizeof(T));
       }
       groups[g] = st;

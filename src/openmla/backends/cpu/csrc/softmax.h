@@ -144,12 +144,31 @@ void transpose(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_t row
 // reductions). Updates ``ref``/``sum``, rescales accumulator rows O[m] as softmax_block does, and
 // writes the probabilities query-major, P [M][n_pad] in the compute type (zeros where not
 // visible), through the keys-major scratch PT [n_pad][M] (P null: PT only, for the register tiles).
+//
+// ``unseen`` (null, or ceil(n_pad / 64) words): bit j set where block row j has a non-finite raw
+// score in a column that does not see it (a NaN or infinite key of this step that an earlier query
+// row does not see; in MLA its values are part of the key, so its scores are non-finite for every
+// column): the caller keeps such rows out of P x V (0 x NaN) and adds them for the columns that see
+// them. Only rows that not every column of a chunk sees are checked (none in the common case).
+// Returns whether any bit is set.
 template <typename T>
-void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, const int32_t* lo, const int32_t* hi,
-                        float scale, float* ref, float* sum, float* O, int64_t ldo, int64_t Dv, T* PT, T* P) {
+bool softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, const int32_t* lo, const int32_t* hi,
+                        float scale, float* ref, float* sum, float* O, int64_t ldo, int64_t Dv, T* PT, T* P,
+                        uint64_t* unseen = nullptr) {
   using iVec = at::vec::Vectorized<int32_t>;
-  const fVec vscale(scale), vneg(NEG_INF), vzero(0.f);
+  const fVec vscale(scale), vneg(NEG_INF), vzero(0.f), vinf(POS_INF);
   alignas(64) float bm[VL];
+  bool any_unseen = false;
+  int64_t ulo = n_pad, uhi = 0;  // rows some column sees
+  if (unseen) {
+    std::fill(unseen, unseen + ceil_div(n_pad, (int64_t)64), uint64_t(0));
+    for (int64_t m = 0; m < M; ++m) {
+      if (lo[m] < hi[m]) {
+        ulo = std::min<int64_t>(ulo, lo[m]);
+        uhi = std::max<int64_t>(uhi, hi[m]);
+      }
+    }
+  }
   for (int64_t c = 0; c < M; c += VL) {
     const int64_t w = std::min<int64_t>(VL, M - c);
     int64_t glo = n_pad, ghi = 0, alo = 0, ahi = n_pad;  // union and intersection of the columns' rows
@@ -166,6 +185,17 @@ void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, 
       const iVec vj(static_cast<int32_t>(j));
       return at::vec::cast<float>(((vlo <= vj) & (vj < vhi)));
     };
+    for (int64_t j = ulo; j < uhi; ++j) {  // rows seen by some column, not by all of this chunk's
+      if (j >= alo && j < ahi) {
+        j = ahi - 1;
+        continue;
+      }
+      const fVec x = fVec::loadu(S + j * M + c, w);
+      if (((x.abs() < vinf) | visible(j)).zero_mask()) {  // a lane not seeing row j with a non-finite score
+        unseen[j >> 6] |= uint64_t(1) << (j & 63);
+        any_unseen = true;
+      }
+    }
     fVec vmax = vneg;
     for (int64_t j = glo; j < ghi; ++j) {
       const fVec x = fVec::loadu(S + j * M + c, w) * vscale;
@@ -202,6 +232,7 @@ void softmax_keys_major(const float* S, int64_t M, int64_t rows, int64_t n_pad, 
     for (int64_t m = c; m < c + w; ++m) sum[m] += add[m - c];
   }
   if (P) transpose<T>(PT, M, P, n_pad, n_pad, M);
+  return any_unseen;
 }
 
 // Finished row: out = O / sum * out_scale (zeros when nothing was seen), lse = ref + log(sum)
