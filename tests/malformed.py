@@ -236,28 +236,24 @@ def absorbed_q(c: Case) -> torch.Tensor:
     return torch.randn(c.q.shape[0], c.config.num_heads, c.config.cache_head_dim, generator=torch.Generator().manual_seed(c.seed))
 
 
-def decode_call(**over):
-    def thunk_of(c, draw):
-        kw = dict(q=absorbed_q(c), kv_collection=c.batch, layer_idx=c.layer_idx, scale=c.scale, kv_lora_rank=c.config.kv_lora_rank)
-        kw.update({k: (v(c, draw) if callable(v) else v) for k, v in over.items()})
-        return lambda backend: openmla.flare_mla_decode(**kw, backend=backend)
-    return thunk_of
+def _op_call(op: str, base):
+    """A ``Bad`` thunk factory for ``openmla.<op>``: its well-formed arguments ``base(case)``, with
+    ``over``'s entries (values, or ``(case, draw) -> value``) in their place."""
+    def call(**over):
+        def thunk_of(c, draw):
+            kw = base(c)
+            kw.update({k: (v(c, draw) if callable(v) else v) for k, v in over.items()})
+            return lambda backend: getattr(openmla, op)(**kw, backend=backend)
+        return thunk_of
+    return call
 
 
-def prefill_call(**over):
-    def thunk_of(c, draw):
-        kw = dict(q=c.q, kv_collection=c.batch, layer_idx=c.layer_idx, w_k=c.w_k, w_uv=c.w_uv, scale=c.scale)
-        kw.update({k: (v(c, draw) if callable(v) else v) for k, v in over.items()})
-        return lambda backend: openmla.mla_prefill(**kw, backend=backend)
-    return thunk_of
-
-
-def write_call(**over):
-    def thunk_of(c, draw):
-        kw = dict(q=c.q, kv=c.kv, freqs_cis=c.freqs_cis, kv_norm_gamma=c.gamma, kv_collection=c.batch, layer_idx=c.layer_idx)
-        kw.update({k: (v(c, draw) if callable(v) else v) for k, v in over.items()})
-        return lambda backend: openmla.mla_write_cache(**kw, backend=backend)
-    return thunk_of
+decode_call = _op_call("flare_mla_decode", lambda c: dict(
+    q=absorbed_q(c), kv_collection=c.batch, layer_idx=c.layer_idx, scale=c.scale, kv_lora_rank=c.config.kv_lora_rank))
+prefill_call = _op_call("mla_prefill", lambda c: dict(
+    q=c.q, kv_collection=c.batch, layer_idx=c.layer_idx, w_k=c.w_k, w_uv=c.w_uv, scale=c.scale))
+write_call = _op_call("mla_write_cache", lambda c: dict(
+    q=c.q, kv=c.kv, freqs_cis=c.freqs_cis, kv_norm_gamma=c.gamma, kv_collection=c.batch, layer_idx=c.layer_idx))
 
 
 def flare_args(c: Case) -> dict:
