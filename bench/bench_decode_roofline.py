@@ -7,7 +7,7 @@ sequence; DeepSeek widths L=512, R=64): by default the issue's five, H=128 8x409
 1x4096, 1x32768 and 32x1024. The op is ``torch.ops.openmla_cpu.decode`` through
 ``kernels.decode`` (no validation or plan: the kernel alone).
 
-Roofline time = max(FLOPs / bf16 2048^3 matmul rate, bytes / copy bandwidth), the rate and the
+Roofline time = max(FLOPs / 2048^3 matmul rate (bf16; see --dtype), bytes / copy bandwidth), the rate and the
 bandwidth probed in the same run, in the same mode: single-thread CPU time
 (``time.thread_time``, ``torch.set_num_threads(1)``: holds when other processes share the box)
 and wall time with ``--threads`` threads. FLOPs ``2 * B * H * (S + 1) * (576 + 512)``; bytes
@@ -18,7 +18,8 @@ JSON.
 ``--ab`` loads the test build and times every shape twice per round, with the register-tiled
 kernel on and off (``set_bf16_tiles`` / ``set_f32_tiles``; off: brgemm): the before/after of
 issue 35 in one process. ``--dtype float32`` takes a float32 cache and queries (float32 products),
-the roofline then on a float32 2048^3 matmul and 4-byte cache values.
+the roofline then on a float32 2048^3 matmul and 4-byte cache values (the matmul is always in
+the products' dtype: float32 for bf16 in an AVX2 build, ``OPENMLA_CPU_ISA=avx2``).
 JSON goes to ``bench/out/decode_roofline.json``.
 """
 
@@ -58,13 +59,14 @@ def make_case(H: int, B: int, S: int, page: int = 64, seed: int = 0, dtype: torc
     lens = torch.full((B,), S, dtype=torch.int32)
     offs = torch.arange(B + 1, dtype=torch.int32)
     layer = kernels.PagedLayer(pages, table, lens, offs, kernels.FORMAT_CODES[dtype])
-    q = (torch.randn(B, H, D, generator=g) * 0.3).to(dtype)
+    cdtype = kernels.compute_dtype(dtype)  # bf16 queries compute in float32 without bf16 brgemm (AVX2 builds)
+    q = (torch.randn(B, H, D, generator=g) * 0.3).to(dtype).to(cdtype)
     from openmla.masks import MaskVariant
 
     mask = MaskVariant()
 
     def run():
-        return kernels.decode(q, layer, kv_lora_rank=L, scale=D**-0.5, mask=mask, dtype=dtype)
+        return kernels.decode(q, layer, kv_lora_rank=L, scale=D**-0.5, mask=mask, dtype=cdtype)
 
     flops = 2 * B * H * kv * (D + L)
     nbytes = B * kv * D * dtype.itemsize
@@ -101,8 +103,11 @@ def main() -> None:
             ops.set_bf16_tiles(v == "tiles")
             ops.set_f32_tiles(v == "tiles")
 
-    a = torch.randn(2048, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
+    from openmla.backends.cpu import kernels
+
+    mm_dtype = kernels.compute_dtype(dtype)  # the products' dtype (bf16 computes in float32 without bf16 brgemm)
+    a = torch.randn(2048, 2048).to(mm_dtype)
+    b = torch.randn(2048, 2048).to(mm_dtype)
     src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     probes = {"matmul": lambda: torch.mm(a, b), "copy": lambda: dst.copy_(src)}
@@ -135,7 +140,7 @@ def main() -> None:
         rate = 2 * 2048**3 / min(times["matmul"])
         bw = 2 * src.numel() * 4 / min(times["copy"])
         out = {"matmul_gflops": rate / 1e9, "copy_gbs": bw / 1e9, "shapes": {}}
-        print(f"[{mode}] threads {torch.get_num_threads()}: matmul {rate / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s, "
+        print(f"[{mode}] threads {torch.get_num_threads()}: {mm_dtype} matmul {rate / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s, "
               f"load {os.getloadavg()[0]:.2f}")
         for s, (_, flops, nbytes) in cases.items():
             roof = max(flops / rate, nbytes / bw)

@@ -31,13 +31,16 @@ page size 64, pages in a shuffled order. Each round times ggml (a fresh process,
 repetitions after a warm-up) then openmla (``--reps`` repetitions) in alternating order; the
 figure is the best repetition of all rounds, wall time with ``--threads`` threads and process
 CPU time (which holds when other processes share the box). Ratios are ggml time / openmla time
-(above 1: openmla faster). JSON: ``bench/out/ggml.json``.
+(above 1: openmla faster). ``--ab`` (the kernels' test build) times openmla twice per round,
+its register tiles on and off (off: brgemm, the kernel before them), columns ``brgemm ms`` and
+``x brgemm``. JSON: ``bench/out/ggml.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -137,32 +140,52 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", nargs="+", default=SHAPES)
     ap.add_argument("--types", nargs="+", default=list(OPENMLA_FORMAT), choices=list(OPENMLA_FORMAT))
+    ap.add_argument("--ab", action="store_true", help="openmla with its register tiles on and off (test build)")
     args = ap.parse_args()
+    variants = ["tiles", "brgemm"] if args.ab else ["tiles"]
+    if args.ab:
+        os.environ["OPENMLA_CPU_TEST_HOOKS"] = "1"
+    from openmla.backends.cpu import build
+
+    def use(v: str) -> None:
+        if args.ab:
+            build.ops().set_bf16_tiles(v == "tiles")
+            build.ops().set_f32_tiles(v == "tiles")
+
     exe = build_driver(args.ggml.resolve())
     torch.set_num_threads(args.threads)
     rate, bw = roofline(args.threads)
     print(f"{args.threads} threads; this run: bf16 matmul {rate / 1e9:.0f} GFLOP/s, copy {bw / 1e9:.1f} GB/s")
-    print(f"{'shape':>12} {'K/V':>5} {'ggml ms':>9} {'openmla ms':>11} {'x (wall)':>9} {'x (cpu)':>8}")
+    print(f"{'shape':>12} {'K/V':>5} {'ggml ms':>9} {'openmla ms':>11} {'x (wall)':>9} {'x (cpu)':>8}"
+          + (f" {'brgemm ms':>10} {'x brgemm':>9}" if args.ab else ""))
     rows = []
     for shape in args.shapes:
         H, B, S = parse(shape)
         for kind in args.types:
             fn = openmla_step(kind, H, B, S)
-            ggml_t, ours_t = [], []
+            ggml_t, ours_t, before_t = [], [], []
             for r in range(args.rounds):
                 first, second = (("ggml", "openmla") if r % 2 == 0 else ("openmla", "ggml"))
                 for who in (first, second):
                     if who == "ggml":
                         ggml_t += ggml_times(exe, kind, H, B, S, args.threads, args.reps)
                     else:
-                        ours_t += openmla_times(fn, args.reps)
+                        for v in variants if r % 2 == 0 else variants[::-1]:
+                            use(v)
+                            (ours_t if v == "tiles" else before_t).extend(openmla_times(fn, args.reps))
+                        use("tiles")
             gw, gc = min(t[0] for t in ggml_t), min(t[1] for t in ggml_t)
             ow, oc = min(t[0] for t in ours_t), min(t[1] for t in ours_t)
             row = dict(shape=shape, kv=kind, openmla_format=str(OPENMLA_FORMAT[kind]), ggml_wall_ms=gw * 1e3,
                        ggml_cpu_ms=gc * 1e3, openmla_wall_ms=ow * 1e3, openmla_cpu_ms=oc * 1e3, ratio_wall=gw / ow,
                        ratio_cpu=gc / oc)
+            extra = ""
+            if before_t:
+                bw_, bc_ = min(t[0] for t in before_t), min(t[1] for t in before_t)
+                row.update(brgemm_wall_ms=bw_ * 1e3, brgemm_cpu_ms=bc_ * 1e3, ratio_wall_brgemm=gw / bw_, ratio_cpu_brgemm=gc / bc_)
+                extra = f" {bw_ * 1e3:10.2f} {gw / bw_:9.2f}"
             rows.append(row)
-            print(f"{shape:>12} {kind:>5} {gw * 1e3:9.2f} {ow * 1e3:11.2f} {gw / ow:9.2f} {gc / oc:8.2f}", flush=True)
+            print(f"{shape:>12} {kind:>5} {gw * 1e3:9.2f} {ow * 1e3:11.2f} {gw / ow:9.2f} {gc / oc:8.2f}{extra}", flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "ggml.json").write_text(json.dumps(dict(threads=args.threads, matmul_bf16=rate, copy=bw, rows=rows), indent=1))
 
