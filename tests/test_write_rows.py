@@ -32,7 +32,9 @@ def _entries(n: int, dtype: torch.dtype) -> torch.Tensor:
     e[2, :] = float("nan")
     e[4, 200:] = 900.0  # saturates fp8
     e[5, :128] = 0.0
-    return e.to(dtype)
+    e = e.to(dtype)
+    e[6, 9] = e[6, L + 2] = float("nan")  # set in the entry dtype (a bf16 NaN of other bits than a cast's)
+    return e
 
 
 def _cpu_available() -> bool:

@@ -8,6 +8,10 @@ the latent output). Each runs the plan the metadata builder made for the step ov
 layer's own cache tensor, in the format vLLM's ``kv_cache_dtype`` names (``metadata.py``): the
 native cache, ``fp8_e4m3`` (``fp8`` / ``fp8_e4m3``: entries / the layer's ``k_scale``, quantised on
 write, dequantised by openmla's kernels on read) or ``fp8_ds_mla``; q stays in the model dtype.
+The cache write stores vLLM's normed, roped entries at the step's slots through
+``openmla.dispatch.write_rows``: the cpu backend's native write kernel (one pass, quantising as
+openmla's format objects do, padding slots skipped in the kernel), or the format object's torch
+write where that kernel does not run.
 Before each attention call of an fp8_e4m3 layer, the layer's ``k_scale`` is copied into the
 float32 ``[1]`` scale the step's plans read (4 bytes; layers may have their own scales).
 
@@ -31,7 +35,7 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 from vllm.v1.attention.backend import AttentionType
 
-from openmla import CacheBatch, LayerWeights, MLAPlan
+from openmla import LayerWeights, MLAPlan, dispatch
 from openmla.fp8 import ds_mla_record_bytes
 
 from .metadata import OpenMLAMetadata, cache_format, layer_blocks
@@ -61,7 +65,6 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
         self.w_k: torch.Tensor | None = None  # [H*Dn, L], the prefill K up-projection
         self.w_uv: torch.Tensor | None = None  # [H, Dv, L], the V up-projection
         self.layer_weights: LayerWeights | None = None  # both, for MLAPlan.attend (w_uk: a view of w_k)
-        self._write_view: CacheBatch | None = None  # this layer's cache as a CacheBatch (made once)
         # Read by MLAAttention once this impl exists: vLLM's bmm_cpu for the decode absorption
         # and W_UV, against the packed weights that process_weights_after_loading makes.
         self.uses_amx_bmm = _vllm_bmm_usable(_model_dtype(), self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim)
@@ -89,32 +92,15 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
         """Store ``[kv_c_normed | k_pe]`` (``[T, L]``, ``[T, 1, R]``) at the cache rows ``slot_mapping``
-        (block * block_size + offset; -1 marks a padding token, which is skipped: on CUDA that test
-        reads one flag back per layer)."""
+        (block * block_size + offset; -1 marks a padding token, which is skipped: in the native
+        kernel, or by the torch write, which on CUDA reads one flag back per layer for it)."""
         if kv_cache.numel() == 0:
             return
         T = kv_c_normed.shape[0]
         entries = torch.cat([kv_c_normed, k_pe.reshape(T, -1)], dim=-1)
-        rows = slot_mapping.flatten()[:T].long()
-        keep = rows >= 0
-        if not bool(keep.all()):
-            rows, entries = rows[keep], entries[keep]
-        self._view(kv_cache, k_scale).write_rows(0, rows, entries)
-
-    def _view(self, kv_cache: torch.Tensor, k_scale: torch.Tensor) -> CacheBatch:
-        """The layer's cache as a sequence-less ``CacheBatch`` (with the layer's own ``k_scale`` for
-        fp8_e4m3), for its format-aware ``write_rows``: it quantises as the format says."""
-        view = self._write_view
         scale = _scale_vector(k_scale) if self.cache_format == "fp8_e4m3" else None
-        if (view is None or view.blocks.data_ptr() != kv_cache.data_ptr() or view.blocks.shape[1:] != kv_cache.shape
-                or (scale is not None and view.kv_scale.data_ptr() != scale.data_ptr())):
-            empty = torch.zeros(0, dtype=torch.int32, device=kv_cache.device)
-            view = CacheBatch(layer_blocks(kv_cache, self.cache_format), empty.view(0, 0), empty,
-                              torch.zeros(1, dtype=torch.int32, device=kv_cache.device), page_size=int(kv_cache.shape[1]),
-                              cache_format=self.cache_format, kv_scale=scale,
-                              rope_dim=self.qk_rope_head_dim if self.cache_format == "fp8_ds_mla" else None)
-            self._write_view = view
-        return view
+        dispatch.write_rows(layer_blocks(kv_cache, self.cache_format)[0], slot_mapping.flatten()[:T], entries,
+                            cache_format=self.cache_format, kv_lora_rank=self.kv_lora_rank, scale=scale)
 
     def layer_plan(self, plan: MLAPlan, kv_cache: torch.Tensor, k_scale: torch.Tensor) -> MLAPlan:
         """The step's ``plan`` over this layer's cache tensor, reading this layer's fp8 scale."""
@@ -143,8 +129,8 @@ class OpenMLAImpl(MLACommonImpl[OpenMLAMetadata]):
 
 
 def _scale_vector(k_scale: torch.Tensor) -> torch.Tensor:
-    """vLLM's per-tensor ``k_scale`` (a float32 scalar tensor of the layer) as the ``[1]`` view a
-    one-layer ``CacheBatch`` takes (no copy: a scale vLLM loads later is seen)."""
+    """vLLM's per-tensor ``k_scale`` (a float32 scalar tensor of the layer) as a ``[1]`` view (no
+    copy: a scale vLLM loads later is seen); ``NotImplementedError`` for any other scale."""
     if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32 or k_scale.numel() != 1:
         raise NotImplementedError(f"openmla's vLLM backend: an fp8 cache needs one float32 k_scale per layer, got {k_scale!r}")
     return k_scale.reshape(1)

@@ -222,7 +222,8 @@ inline void run_cache_write(const WriteArgs& a) {
 // The rows write: entries [n, L+R] (bfloat16, float16 or float32, unit last stride) stored at physical rows
 // rows[i] (int64 [n]) of one layer's pages [P, S, W] in format fmt; a negative row is skipped (a
 // padding token). An entry already in a native cache's dtype is copied as its bytes (as torch's
-// index_copy_, NaN payloads kept); any other is read as float32 and stored by store_float.
+// index_copy_, NaN payloads kept); any other is read as float32 and stored by store_float, a bf16
+// rope part of bf16 entries copied as its bytes (torch's cast to bf16 is then a no-op).
 inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, const at::Tensor& rows, int64_t fmt,
                           double kv_scale, int64_t kv_lora_rank) {
   TORCH_CHECK(entries.device().is_cpu() && entries.dim() == 2 && entries.stride(1) == 1,
@@ -253,6 +254,9 @@ inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, co
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(row[i] < num_rows, "openmla cpu: row ", row[i], " is past the ", num_rows, " rows");
   const bool raw = (fmt == FMT_BF16 && et == at::kBFloat16) || (fmt == FMT_F16 && et == at::kHalf) || (fmt == FMT_F32 && et == at::kFloat);
   const uint8_t* src = static_cast<const uint8_t*>(entries.data_ptr());
+  const int64_t elem_in = entries.element_size();
+  // Where a record keeps the rope part in bfloat16 and the entries are bfloat16: its byte offset.
+  const int64_t bf16_rope_at = et != at::kBFloat16 ? -1 : fmt == FMT_DS_MLA ? L + 4 * (L / DS_GROUP) : fmt == FMT_NVFP4_DS ? NV_DS_ROPE : -1;
   CacheWriter w{a};
   at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
     float* tmp = scratch<float>(S_KEYS, round_up(W, 16));
@@ -264,6 +268,8 @@ inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, co
       } else {
         load_any(et, src + i * ld, 0, tmp, W);
         w.store_float(dst, tmp);
+        if (bf16_rope_at >= 0)  // bf16 rope values kept as their bytes (NaN payloads too, as torch's no-op cast)
+          std::memcpy(dst + bf16_rope_at, src + i * ld + L * elem_in, R * elem_in);
       }
     }
   });
