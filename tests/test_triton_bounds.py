@@ -22,21 +22,19 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'openmla[triton]')")
+from triton_support import require_triton
+
+_common = require_triton()  # skips the module where the backend cannot run
 
 from openmla import reference as ref  # noqa: E402
-from openmla.backends.triton import _common  # noqa: E402
 from openmla.backends.triton.cache_write import write_cache  # noqa: E402
 from openmla.backends.triton.decode import decode_into  # noqa: E402
 from openmla.backends.triton.prefill import flare_mla_prefill, prefill  # noqa: E402
-from openmla.masks import MaskVariant
+from openmla.masks import MaskVariant  # noqa: E402
 from openmla.planning import chunk_plan  # noqa: E402
 
 from cases import TOL, assert_close, make_case, small_config  # noqa: E402
 from isolated import isolated  # noqa: E402,F401  (fixture)
-
-if not torch.cuda.is_available() and not _common.INTERPRET:
-    pytest.skip("the triton backend was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 GUARD = 2  # guard pages (and guard rows of outputs) on each side
 F32 = torch.float32

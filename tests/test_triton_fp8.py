@@ -20,23 +20,17 @@ import dataclasses
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-DEV = torch.device("cuda" if CUDA else "cpu")
+from triton_support import CUDA, DEV, poison, require_triton  # noqa: F401  (poison: autouse, backend buffers start as NaN)
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'openmla[triton]')")
+_common = require_triton()  # skips the module where the backend cannot run
 
 import openmla  # noqa: E402
 from openmla import reference as ref  # noqa: E402
-from openmla.backends.triton import _common  # noqa: E402
 from openmla.backends.triton.decode import decode_into  # noqa: E402
 from openmla.fp8 import FP8, ds_mla_views  # noqa: E402
 from openmla.masks import MaskVariant  # noqa: E402
 
-from triton_support import poison  # noqa: E402,F401  (autouse: backend buffers start as NaN)
 from cases import TOL, Case, make_case, rel_err, small_config  # noqa: E402
-
-if not CUDA and not _common.INTERPRET:  # tests/conftest.py sets it before anything imports triton
-    pytest.skip("the triton backend was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 F32, BF16 = torch.float32, torch.bfloat16
 E4M3, DS_MLA = "fp8_e4m3", "fp8_ds_mla"

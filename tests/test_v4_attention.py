@@ -25,21 +25,16 @@ from openmla.v4 import CompressedKeys, EntryLayout, PagedEntries, SharedKVSpec, 
 
 from cases import assert_close, assert_lse
 from cpu_backends import use_backend
+from triton_support import CUDA, require_triton
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small ops: one thread, no stall when another process takes a core
 tkv = importlib.import_module("openmla.backends.torch_cpu.shared_kv")
 SEEDS = random.Random()
-CUDA = torch.cuda.is_available()
 
 
 def _triton():
     """The triton backend's ``_common`` when it can run here (CUDA, or the interpreter), else skip."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'openmla[triton]')")
-    from openmla.backends.triton import _common
-
-    if not CUDA and not _common.INTERPRET:  # tests/conftest.py sets it before anything imports triton
-        pytest.skip("the triton backend was imported before TRITON_INTERPRET=1 was set")
-    return _common
+    return require_triton()
 
 
 @pytest.fixture
