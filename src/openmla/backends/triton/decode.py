@@ -50,6 +50,15 @@ SPARSE_NONE, SPARSE_PHYSICAL, SPARSE_LOGICAL = 0, 1, 2
 
 
 @triton.jit
+def split_program(num_heads, BLOCK_H: tl.constexpr):
+    """``(t, head_block, split)`` of a split kernel's program (decode, shared-KV). Axis 0
+    enumerates (row, head block) with head blocks fastest: it allows 2^31 - 1 programs where
+    axis 1 would stop at 65535 rows (sparse prefill sends many); axis 1 is the split."""
+    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    return tl.program_id(0) // num_head_blocks, tl.program_id(0) % num_head_blocks, tl.program_id(1)
+
+
+@triton.jit
 def _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs, num_splits, window, chunk,
                 sparse_width, stride_bt, max_pages, page_size, MASK: tl.constexpr, SPARSE: tl.constexpr,
                 HAS_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
@@ -113,12 +122,7 @@ def _decode_split_kernel(
     MASK: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK: tl.constexpr, STEPS: tl.constexpr,
     KV_SCALED: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Axis 0 enumerates (token, head block) with head blocks fastest; it allows 2^31 - 1
-    # programs where axis 1 would stop at 65535 tokens (sparse prefill sends many).
-    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    head_block = tl.program_id(0) % num_head_blocks
-    t = tl.program_id(0) // num_head_blocks
-    split = tl.program_id(1)
+    t, head_block, split = split_program(num_heads, BLOCK_H)
     lo, hi, table, start, end = _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs,
                                             num_splits, window, chunk, sparse_width, stride_bt, max_pages, page_size, MASK,
                                             SPARSE, HAS_TOPK, BLOCK_N, STEPS)
@@ -187,10 +191,7 @@ def _decode_split_ds_mla_kernel(
     on float32 results: ``score = sum_g scale_g * (q_g . fp8_g) + q_rope . rope`` and
     ``acc_g += (p * scale_g) @ fp8_g``. The fp8 values widen exactly to DOT_T (no rounding
     of a dequantised product); the rope part is bfloat16."""
-    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    head_block = tl.program_id(0) % num_head_blocks
-    t = tl.program_id(0) // num_head_blocks
-    split = tl.program_id(1)
+    t, head_block, split = split_program(num_heads, BLOCK_H)
     lo, hi, table, start, end = _split_span(offsets_ptr, cache_lens_ptr, block_table_ptr, topk_ptr, t, split, num_seqs,
                                             num_splits, window, chunk, sparse_width, stride_bt, max_pages, page_size, MASK,
                                             SPARSE, HAS_TOPK, BLOCK_N, STEPS)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import _common
 from ._common import natural_lse, next_pow2, online_softmax_step, physical_row
-from .decode import _num_sms
+from .decode import _num_sms, split_program
 from .merge import merge_parts
 
 # Compressed stream as the kernel's ``COMP`` constexpr.
@@ -62,12 +62,8 @@ def _shared_kv_split_kernel(
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     COMP: tl.constexpr, DOT_T: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Step 1: which row, which heads, which slice of the items. Axis 0 enumerates (row, head
-    # block) with head blocks fastest (2^31 - 1 programs; axis 1 would stop at 65535 rows).
-    num_head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    head_block = tl.program_id(0) % num_head_blocks
-    t = tl.program_id(0) // num_head_blocks
-    split = tl.program_id(1)
+    # Step 1: which row, which heads, which slice of the items.
+    t, head_block, split = split_program(num_heads, BLOCK_H)
     seq = tl.load(seq_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     # Items: the window's positions lo .. pos in [0, win_items) (win_items: the plan's window
