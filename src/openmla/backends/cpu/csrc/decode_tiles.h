@@ -229,70 +229,90 @@ inline void score_tiles(const typename X::E* const* K, int64_t n, const typename
 #endif
 
 #if defined(OPENMLA_F32_TILES)
-// O[m][c0 + 0:w] += sum_j PT[j][m] V[j][c0 + 0:w] for MR query rows, w <= 2 W columns (FULL:
-// w = 2 W): n keys, V rows V[0..n) read as they lie, PT [n][ldp] the keys-major probabilities.
-template <class X, int MR, bool FULL>
+// Keys ahead whose V columns a P x V tile asks into L1 (the rows lie a cache row apart, on
+// shuffled pages: no stride for the hardware to follow).
+constexpr int64_t PV_PREFETCH_KEYS = 8;
+
+// O[m][c0 + 0:w] += sum_j PT[j][m] V[j][c0 + 0:w] for MR query rows, w <= NC W columns (FULL:
+// w = NC W): n keys, V rows V[0..n) read as they lie, PT [n][ldp] the keys-major probabilities.
+template <class X, int MR, int NC, bool FULL>
 inline void pv_tile_f32(const float* const* V, int64_t n, const float* PT, int64_t ldp, float* O, int64_t ldo, int64_t c0,
                         int64_t w, BlockPrefetch& pf) {
   constexpr int W = X::W;
-  typename X::V acc[MR][2];
+  typename X::V acc[MR][NC];
   OPENMLA_TILE_UNROLL
   for (int m = 0; m < MR; ++m) {
     const float* o = O + m * ldo + c0;
-    acc[m][0] = FULL ? X::load(o) : X::load_n(o, w);
-    acc[m][1] = FULL ? X::load(o + W) : X::load_n(o + W, w - W);
+    OPENMLA_TILE_UNROLL
+    for (int c = 0; c < NC; ++c) acc[m][c] = FULL ? X::load(o + W * c) : X::load_n(o + W * c, w - W * c);
   }
   for (int64_t j = 0; j < n; ++j) {
     const float* v = V[j] + c0;
-    const typename X::V x0 = FULL ? X::load(v) : X::load_n(v, w);
-    const typename X::V x1 = FULL ? X::load(v + W) : X::load_n(v + W, w - W);
+    if (j + PV_PREFETCH_KEYS < n) {
+      const char* ahead = reinterpret_cast<const char*>(V[j + PV_PREFETCH_KEYS] + c0);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if constexpr (NC * W * 4 > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
+    typename X::V x[NC];
+    OPENMLA_TILE_UNROLL
+    for (int c = 0; c < NC; ++c) x[c] = FULL ? X::load(v + W * c) : X::load_n(v + W * c, w - W * c);
     const float* p = PT + j * ldp;
     pf.one();
     OPENMLA_TILE_UNROLL
     for (int m = 0; m < MR; ++m) {
       const typename X::V b = X::set1(p[m]);
-      acc[m][0] = X::fma(acc[m][0], b, x0);
-      acc[m][1] = X::fma(acc[m][1], b, x1);
+      OPENMLA_TILE_UNROLL
+      for (int c = 0; c < NC; ++c) acc[m][c] = X::fma(acc[m][c], b, x[c]);
     }
   }
   OPENMLA_TILE_UNROLL
   for (int m = 0; m < MR; ++m) {
     float* o = O + m * ldo + c0;
-    if (FULL) {
-      X::store(o, acc[m][0]);
-      X::store(o + W, acc[m][1]);
-    } else {
-      X::store_n(o, acc[m][0], w);
-      X::store_n(o + W, acc[m][1], w - W);
+    OPENMLA_TILE_UNROLL
+    for (int c = 0; c < NC; ++c) {
+      if (FULL) X::store(o + W * c, acc[m][c]);
+      else X::store_n(o + W * c, acc[m][c], w - W * c);
     }
   }
 }
 
-template <class X, int MR, bool FULL>
+template <class X, int MR, int NC, bool FULL>
 inline void pv_group_f32(int64_t rows, const float* const* V, int64_t n, const float* PT, int64_t ldp, float* O,
                          int64_t ldo, int64_t c0, int64_t w, BlockPrefetch& pf) {
   if constexpr (MR > 1) {
-    if (rows < MR) return pv_group_f32<X, MR - 1, FULL>(rows, V, n, PT, ldp, O, ldo, c0, w, pf);
+    if (rows < MR) return pv_group_f32<X, MR - 1, NC, FULL>(rows, V, n, PT, ldp, O, ldo, c0, w, pf);
   }
-  pv_tile_f32<X, MR, FULL>(V, n, PT, ldp, O, ldo, c0, w, pf);
+  pv_tile_f32<X, MR, NC, FULL>(V, n, PT, ldp, O, ldo, c0, w, pf);
 }
 
-// O [M][ldo] (first L columns) += P x V over n keys: per chunk of 2 W latent columns (its V
-// columns stay in L1 across the row groups), near-equal groups of at most 12 query rows with 32
-// registers (24 accumulators), 6 with 16 (12 accumulators).
+// Near-equal groups of at most MR query rows per chunk of NC W latent columns (the chunk's V
+// columns stay in L1 across the groups).
+template <class X, int MR, int NC>
+inline void pv_chunks_f32(const float* const* V, int64_t n, const float* PT, int64_t M, float* O, int64_t ldo, int64_t L,
+                          BlockPrefetch& pf) {
+  const int64_t groups = ceil_div(M, (int64_t)MR);
+  for (int64_t c = 0; c < L; c += NC * X::W) {
+    const int64_t w = std::min<int64_t>(NC * X::W, L - c);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = M * g / groups, r1 = M * (g + 1) / groups;
+      if (w == NC * X::W) pv_group_f32<X, MR, NC, true>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
+      else pv_group_f32<X, MR, NC, false>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
+    }
+  }
+}
+
+// O [M][ldo] (first L columns) += P x V over n keys. 32 registers: groups of 12 rows x 2
+// vectors (24 accumulators; at M = 16, 16 rows x 1 vector, V read once per block, was no faster:
+// 13.1-13.9 against 13.3-13.6 ms at H=16 8 x 4096 / 32 x 1024, loaded box); 16 registers: groups
+// of 6 rows x 2 vectors (12 accumulators).
 template <class X>
 inline void pv_tiles_f32(const float* const* V, int64_t n, const float* PT, int64_t M, float* O, int64_t ldo, int64_t L,
                          BlockPrefetch& pf) {
   if (n <= 0) return;
-  constexpr int MR = X::REGS >= 32 ? 12 : 6;
-  const int64_t groups = ceil_div(M, (int64_t)MR);
-  for (int64_t c = 0; c < L; c += 2 * X::W) {
-    const int64_t w = std::min<int64_t>(2 * X::W, L - c);
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t r0 = M * g / groups, r1 = M * (g + 1) / groups;
-      if (w == 2 * X::W) pv_group_f32<X, MR, true>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
-      else pv_group_f32<X, MR, false>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
-    }
+  if constexpr (X::REGS >= 32) {
+    pv_chunks_f32<X, 12, 2>(V, n, PT, M, O, ldo, L, pf);
+  } else {
+    pv_chunks_f32<X, 6, 2>(V, n, PT, M, O, ldo, L, pf);
   }
 }
 #endif
