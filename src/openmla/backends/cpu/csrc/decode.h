@@ -9,8 +9,11 @@
 //   O[M, L] += P x V                          (V = the first L key columns, packed for B)
 // Parts of one row group are merged by LSE by whichever unit finishes last, so a call is one
 // parallel region. Dense units over an fp8 cache with float32 products run decode_reg.h's tiles
-// instead (fp8 dequantised next to the products, no key buffer); bf16 products on a CPU with
-// AVX512-BF16 and without AMX run decode_tiles.h's register tiles (no brgemm, no V pack).
+// instead in AVX2 builds (fp8 dequantised next to the products, no key buffer); bf16 products on a
+// CPU with AVX512-BF16 and without AMX, and float32 products in AVX-512 and AVX2 + FMA builds, run
+// decode_tiles.h's register tiles (no brgemm, no V pack). A key some query rows of a block do not
+// see and whose scores are not finite (a NaN key of this step) is kept out of that block's P x V
+// and added for the rows that see it (add_unseen: the NaN rule, docs/api.md).
 #pragma once
 
 #include "amx.h"
