@@ -67,6 +67,23 @@ inline uint8_t fp8_bits(float x) {
   return c10::Float8_e4m3fn(std::min(FP8_MAX, std::max(-FP8_MAX, x))).x;
 }
 
+// fp8_bits(x[j] / s) for j < n: the division and the clamp vectorised (a NaN passed through as it
+// is, sign included, as fp8_bits does), then the conversion in a loop of its own, which the compiler
+// vectorises (one fused loop with the NaN branch does not). ``buf``: n floats.
+inline void fp8_row(const float* x, float s, uint8_t* dst, int64_t n, float* buf) {
+  const fVec vs(s), lo(-FP8_MAX), hi(FP8_MAX);
+  int64_t j = 0;
+  for (; j + VL <= n; j += VL) {
+    const fVec y = fVec::loadu(x + j) / vs;
+    fVec::blendv(at::vec::minimum(at::vec::maximum(y, lo), hi), y, y.isnan()).store(buf + j);  // a NaN keeps its sign
+  }
+  for (; j < n; ++j) {
+    const float y = x[j] / s;
+    buf[j] = std::isnan(y) ? y : std::min(FP8_MAX, std::max(-FP8_MAX, y));
+  }
+  for (j = 0; j < n; ++j) dst[j] = c10::Float8_e4m3fn(buf[j]).x;
+}
+
 // float -> e2m1 code: nearest, ties to the even code, saturating at +-6, the sign bit kept (-0.1
 // -> 8); NaN -> 0 or 8 (openmla.nvfp4.e2m1_encode: its midpoint comparisons, one per code step).
 inline uint8_t e2m1_code(float x) {
@@ -146,7 +163,7 @@ struct CacheWriter {
       e[L + pair_a(i, R)] = xa * cs - xb * sn;
       e[L + pair_b(i, R)] = xa * sn + xb * cs;
     }
-    store(const_cast<uint8_t*>(a.cache.logical(b, p)), e, buf + round_up(W, 16) * 3);
+    store(const_cast<uint8_t*>(a.cache.logical(b, p)), e, buf + round_up(W, 16) * 3, x);  // x is read: its room is free
 
     // q: nope part copied, rope part rotated in float32.
     const int64_t Dq = a.Dq, Dn = Dq - R;
@@ -165,22 +182,23 @@ struct CacheWriter {
     }
   }
 
-  // Round the float64 entry e [L+R] into the stored row ``dst``.
-  void store(uint8_t* dst, const double* e, float* tmp) const {
+  // Round the float64 entry e [L+R] into the stored row ``dst`` (tmp, buf: L+R floats each).
+  void store(uint8_t* dst, const double* e, float* tmp, float* buf) const {
     const int64_t W = a.cache.L + a.cache.R;
     for (int64_t j = 0; j < W; ++j) tmp[j] = (float)e[j];
-    store_float(dst, tmp);
+    store_float(dst, tmp, buf);
   }
 
-  // The float32 entry tmp [L+R] as the stored row ``dst`` (quantised as the format says).
-  void store_float(uint8_t* dst, const float* tmp) const {
+  // The float32 entry tmp [L+R] as the stored row ``dst`` (quantised as the format says; buf: L+R
+  // floats of scratch).
+  void store_float(uint8_t* dst, const float* tmp, float* buf) const {
     const int64_t L = a.cache.L, R = a.cache.R, W = L + R;
     switch (a.cache.fmt) {
       case FMT_BF16: convert_row(tmp, reinterpret_cast<BFloat16*>(dst), W); break;
       case FMT_F16: convert_row(tmp, reinterpret_cast<Half*>(dst), W); break;
       case FMT_F32: std::memcpy(dst, tmp, W * sizeof(float)); break;
       case FMT_E4M3:
-        for (int64_t j = 0; j < W; ++j) dst[j] = fp8_bits(tmp[j] / a.cache.kv_scale);
+        fp8_row(tmp, a.cache.kv_scale, dst, W, buf);
         break;
       case FMT_NVFP4_DS:
       case FMT_NVFP4_FP8ROPE: store_nvfp4(dst, tmp); break;
@@ -195,7 +213,7 @@ struct CacheWriter {
             amax = std::max(amax, std::fabs(tmp[j]));
           }
           const float scale = amax > 0.f && !nan ? amax / FP8_MAX : 1.f;
-          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) dst[j] = fp8_bits(tmp[j] / scale);
+          fp8_row(tmp + g * DS_GROUP, scale, dst + g * DS_GROUP, DS_GROUP, buf);
           std::memcpy(dst + L + 4 * g, &scale, 4);
         }
         convert_row(tmp + L, reinterpret_cast<BFloat16*>(dst + L + 4 * (L / DS_GROUP)), R);
@@ -259,7 +277,7 @@ inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, co
   const int64_t bf16_rope_at = et != at::kBFloat16 ? -1 : fmt == FMT_DS_MLA ? L + 4 * (L / DS_GROUP) : fmt == FMT_NVFP4_DS ? NV_DS_ROPE : -1;
   CacheWriter w{a};
   at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
-    float* tmp = scratch<float>(S_KEYS, round_up(W, 16));
+    float* tmp = scratch<float>(S_KEYS, 2 * round_up(W, 16));
     for (int64_t i = i0; i < i1; ++i) {
       if (row[i] < 0) continue;
       uint8_t* dst = const_cast<uint8_t*>(c.phys(row[i]));
@@ -267,7 +285,7 @@ inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, co
         std::memcpy(dst, src + i * ld, W * elem);
       } else {
         load_any(et, src + i * ld, 0, tmp, W);
-        w.store_float(dst, tmp);
+        w.store_float(dst, tmp, tmp + round_up(W, 16));
         if (bf16_rope_at >= 0)  // bf16 rope values kept as their bytes (NaN payloads too, as torch's no-op cast)
           std::memcpy(dst + bf16_rope_at, src + i * ld + L * elem_in, R * elem_in);
       }
