@@ -245,7 +245,11 @@ class _Tile:
 
 def _chunk_prefill(plan, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, chunk: "ChunkRows",
                    tile) -> tuple[Tensor, Tensor]:
+    from .backends.base import ChunkPrefillKernels
+
     backend = plan.backend
+    if not isinstance(backend, ChunkPrefillKernels):  # a protocol beside the MLA kernels (openmla.backends.CHUNK_PREFILL)
+        raise NotImplementedError(f"the {backend.name} backend does not implement the flare_mla_prefill kernel")
     out, lse = backend.flare_mla_prefill(plan, layer_idx, q, k, v, chunk, plan.spec.with_sink(None), tile)
     out_dtype, lse_dtype = backend.result_dtypes(q.dtype)
     return _as(out, out_dtype), _as(lse, lse_dtype)

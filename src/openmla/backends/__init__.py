@@ -12,7 +12,7 @@ import importlib
 import os
 import torch
 
-from .base import Backend, PlanView, SharedKVKernels
+from .base import Backend, ChunkPrefillKernels, PlanView, SharedKVKernels
 
 # name -> "module:class"; a new backend is one more line.
 REGISTRY: dict[str, str] = {
@@ -25,6 +25,9 @@ BACKENDS = tuple(REGISTRY)
 # The backends that implement the shared-KV (DeepSeek-V4) protocol, ``base.SharedKVKernels``
 # (load_backend registers each one's class with it).
 SHARED_KV: frozenset[str] = frozenset({"torch", "triton", "reference", "cpu"})
+# The backends that implement MAX's one-chunk prefill with given keys, ``base.ChunkPrefillKernels``
+# (registered the same way).
+CHUNK_PREFILL: frozenset[str] = frozenset({"torch", "triton", "reference", "cpu"})
 
 _LOADED: dict[str, Backend] = {}
 
@@ -66,6 +69,8 @@ def load_backend(name: str) -> Backend:
         raise ValueError(f"backend: the {name} backend is unavailable here ({why})")
     if name in SHARED_KV and not issubclass(cls, SharedKVKernels):
         SharedKVKernels.register(cls)
+    if name in CHUNK_PREFILL and not issubclass(cls, ChunkPrefillKernels):
+        ChunkPrefillKernels.register(cls)
     if name not in _LOADED:
         _LOADED[name] = cls()
     return _LOADED[name]
@@ -99,5 +104,5 @@ def choose_backend(name: str, plan: PlanView, protocol: type | None = None) -> t
     return fallback, f"{name} declined: {why}"
 
 
-__all__ = ["BACKENDS", "REGISTRY", "SHARED_KV", "Backend", "SharedKVKernels", "choose_backend", "load_backend",
-           "resolve_backend_name"]
+__all__ = ["BACKENDS", "CHUNK_PREFILL", "REGISTRY", "SHARED_KV", "Backend", "ChunkPrefillKernels", "SharedKVKernels",
+           "choose_backend", "load_backend", "resolve_backend_name"]

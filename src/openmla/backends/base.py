@@ -11,8 +11,10 @@ the plan casts them to the caller's dtype (one rule for eager and compiled calls
 
 A new backend is one subclass in one folder and one line in ``openmla.backends.REGISTRY``
 (docs/backends.md walks through it). ``Backend`` is the MLA kernels (cache write, decode, prefill,
-absorb / unabsorb, the write of given entries at given rows, and the one-chunk prefill MAX's ``flare_mla_prefill`` runs); V4's shared-KV
-attention is its own protocol (``SharedKVKernels``) that a backend may implement.
+absorb / unabsorb, the write of given entries at given rows). Two protocols beside it, each a
+backend may implement and is registered for by name: V4's shared-KV attention
+(``SharedKVKernels``) and MAX's one-chunk prefill with given keys (``ChunkPrefillKernels``, which
+only ``openmla.compat.max.flare_mla_prefill`` / ``mla_prefill_v2_ragged`` reach).
 """
 
 from __future__ import annotations
@@ -101,11 +103,6 @@ class Backend:
         routes sparse prefill through ``decode``)."""
         raise NotImplementedError(f"the {self.name} backend does not implement the prefill kernel")
 
-    def flare_mla_prefill(self, plan: "PlanView", layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          chunk: "ChunkRows", spec: "AttentionSpec", tile: "MlaConfigV2 | None") -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]``; LSE over its keys."""
-        raise NotImplementedError(f"the {self.name} backend does not implement the flare_mla_prefill kernel")
-
     def write_rows(self, fmt: "CacheFormat", layer: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor,
                    kv_lora_rank: int, scale: torch.Tensor | None) -> None:
         """Store given ``entries [n, L+R]`` at physical ``rows`` (a negative row is skipped) of one
@@ -128,6 +125,21 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<openmla backend {self.name!r}>"
+
+
+class ChunkPrefillKernels(abc.ABC):
+    """MAX's one-chunk prefill with given up-projected keys, beside ``Backend``'s MLA kernels (only
+    ``openmla.compat.max``'s ``flare_mla_prefill`` / ``mla_prefill_v2_ragged`` run it): a backend
+    that has the kernel implements ``flare_mla_prefill`` and is registered for it
+    (``openmla.backends.CHUNK_PREFILL``: ``load_backend`` registers each listed backend's class, so
+    ``isinstance(backend, ChunkPrefillKernels)`` says whether it has it). ``openmla.dispatch.chunk_prefill``
+    runs it, and raises ``NotImplementedError`` for a plan whose backend has not."""
+
+    @abc.abstractmethod
+    def flare_mla_prefill(self, plan: "PlanView", layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          chunk: "ChunkRows", spec: "AttentionSpec", tile: "MlaConfigV2 | None") -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk with given up-projected ``k [S, H, Dn]``, ``v [S, H, Dv]`` (their rope part read
+        from the cache) -> ``out [T, H, Dv]``, ``lse [T, H]`` over its keys (no sink)."""
 
 
 class SharedKVKernels(abc.ABC):

@@ -11,7 +11,7 @@ pages, page table, host lengths, the prefill chunk plan) and calls ``kernels``.
 | | next to the products for dense float32 units on AVX2 CPUs: ``csrc/decode_reg.h``) |
 | ``prefill`` | dense: per chunk of the plan, a native gather, two torch matmuls (K/V up-projection) |
 | | and native flash attention (sparse prefill reaches ``decode`` through the plan) |
-| ``flare_mla_prefill`` | a native gather of the rope rows and native flash attention |
+| ``flare_mla_prefill`` | (``ChunkPrefillKernels``, MAX's chunk) a native gather of the rope rows and native flash attention |
 | ``absorb`` / ``unabsorb`` | one native call each (per-head brgemm; the weight packed once and cached) |
 | ``shared_kv_attention`` | DeepSeek-V4: one native call over window + compressed entries (``csrc/shared_kv.h``; |
 | | float32 products, float32 / bf16 / fp16 entries; others declined to torch) |
