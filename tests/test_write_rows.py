@@ -111,3 +111,19 @@ def test_the_build_key_follows_the_header(monkeypatch, tmp_path):
     assert build.build_key() != key
     path = build.write_codes_header(tmp_path)
     assert path.read_text() == "// another table\n"
+
+
+def test_write_rows_custom_op_under_compile():
+    """Under ``torch.compile(fullgraph=True)`` the write is the ``openmla::write_rows`` op (same bytes);
+    ``torch.library.opcheck`` passes for it."""
+    eager = openmla.PagedLatentCache(1, PAGES, PAGE, dtype="fp8_e4m3", kv_scale=0.5)
+    comp = openmla.PagedLatentCache(1, PAGES, PAGE, dtype="fp8_e4m3", kv_scale=0.5)
+    entries, rows = _entries(8, torch.bfloat16), torch.tensor([3, 40, -1, 7, 0, 95, 12, 13])
+    kw = dict(cache_format="fp8_e4m3", kv_lora_rank=L)
+    dispatch.write_rows(eager.blocks[0], rows, entries, scale=eager.kv_scale[:1], **kw)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda layer, r, e, s: dispatch.write_rows(layer, r, e, scale=s, **kw), fullgraph=True, backend="eager")
+    fn(comp.blocks[0], rows, entries, comp.kv_scale[:1])
+    assert torch.equal(eager.blocks.view(torch.uint8), comp.blocks.view(torch.uint8))
+    layer = torch.zeros(PAGES, PAGE, L + R, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.openmla.write_rows.default, (layer, rows.abs(), entries, None, "native", L, None))
