@@ -542,15 +542,16 @@ struct DecodeKernel {
 
   // One key block on the register tiles: block rows ``rows`` (rows [ra, rb) seen by some query
   // row, the others ``zero``; bf16: the row at rb is set to it when rb is odd): scores, softmax
-  // (keys-major P^T only), P x V (bf16: P pairs in ``PP``, [n_max / 2 + 1][M]).
-  void tile_products(Unit& w, const T** rows, int64_t ra, int64_t rb, const T* zero, int32_t* PP,
+  // (keys-major P^T only), P x V (bf16: P pairs in ``PP``, [n_max / 2 + 1][M]). ``stream``: the
+  // rows are cache pages read in place (the score tiles ask for them ahead).
+  void tile_products(Unit& w, const T** rows, int64_t ra, int64_t rb, const T* zero, int32_t* PP, bool stream,
                      BlockPrefetch pf = {}) const {
     const int64_t M = w.M, L = this->L();
     (void)M, (void)L, (void)zero, (void)PP, (void)ra;
 #if defined(OPENMLA_BF16_TILES)
     if constexpr (std::is_same_v<T, BFloat16>) {
       if (rb & 1) rows[rb] = zero;
-      score_tiles<BF16x>(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M);
+      score_tiles<BF16x>(rows + ra, rb - ra, w.QT, round_up(M, 16), a.D, w.S + ra * M, M, stream);
       if (softmax_pt(w, rb)) add_unseen(w, rb, rows, [&](int64_t j) { rows[j] = zero; });
       // rows past rb are seen by none: a short context is not padded to its page
       const int64_t j0 = ra & ~int64_t(1), pairs = (round_up(rb, 2) - j0) / 2;
@@ -561,7 +562,7 @@ struct DecodeKernel {
 #endif
 #if defined(OPENMLA_F32_TILES)
     if constexpr (std::is_same_v<T, float>) {
-      score_tiles<F32x>(rows + ra, rb - ra, w.QT, round_up(M, F32x::W), a.D, w.S + ra * M, M);
+      score_tiles<F32x>(rows + ra, rb - ra, w.QT, round_up(M, F32x::W), a.D, w.S + ra * M, M, stream);
       if (softmax_pt(w, rb)) add_unseen(w, rb, rows, [&](int64_t j) { rows[j] = zero; });
       pv_tiles_f32<F32x>(rows + ra, rb - ra, w.PT + ra * M, M, w.O, L, L, pf);
       return;
@@ -630,7 +631,7 @@ struct DecodeKernel {
         pf.bytes = D * (int64_t)sizeof(T);
         for (int64_t r = 0; r < pf.n; ++r) ahead[r] = a.cache.logical(u.b, nb.a + r);
       }
-      tile_products(w, w.rows, ra, rb, zero, PP, pf);
+      tile_products(w, w.rows, ra, rb, zero, PP, in_place, pf);
       pos = kb.b;
     }
   }
@@ -671,7 +672,7 @@ struct DecodeKernel {
       std::fill(w.c0, w.c0 + w.M, 0);
       std::fill(w.c1, w.c1 + w.M, (int32_t)n);
       if (w.tiles) {
-        tile_products(w, w.rows, 0, n, zero, PP);
+        tile_products(w, w.rows, 0, n, zero, PP, false);
         continue;
       }
       mm(w, round_up(n, 16), w.M, D, D, w.M, w.M, false, keys, w.QT, w.S);

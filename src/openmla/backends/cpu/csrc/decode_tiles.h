@@ -195,8 +195,8 @@ constexpr int64_t SCORE_PREFETCH_KEYS = 16;
 
 template <class X, int KR, int NV>
 inline void score_tiles_nv(const typename X::E* const* K, int64_t n, const typename X::E* QT, int64_t ldq, int64_t D,
-                           float* S, int64_t M) {
-  const int64_t steps = D / X::STEP, bytes = D * (int64_t)sizeof(typename X::E);
+                           float* S, int64_t M, bool stream) {
+  const int64_t steps = D / X::STEP, bytes = stream ? D * (int64_t)sizeof(typename X::E) : 0;
   for (int64_t r = 0; r < std::min(n, SCORE_PREFETCH_KEYS); ++r)
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(K[r]) + b, _MM_HINT_T0);
   for (int64_t j = 0; j < n; j += KR) {
@@ -211,19 +211,21 @@ inline void score_tiles_nv(const typename X::E* const* K, int64_t n, const typen
 // QT's rows ldq columns apart (a multiple of X::W). Blocking by M and the registers:
 // 32 registers: 8 keys x 16 columns up to 16 query rows, 8 x 32 up to 32, 8 x 48 up to 48, 6 x 64
 // beyond (8-24 accumulators); 16 registers: 8 keys x 8 columns up to 8 rows, 6 x 16 beyond
-// (8 / 12 accumulators). A row's last column group takes the vectors it needs.
+// (8 / 12 accumulators). A row's last column group takes the vectors it needs. ``stream``: the
+// rows come from memory (cache pages in place), so the tiles ask for them ahead; a key buffer's
+// rows were just written, and are not.
 template <class X>
 inline void score_tiles(const typename X::E* const* K, int64_t n, const typename X::E* QT, int64_t ldq, int64_t D,
-                        float* S, int64_t M) {
+                        float* S, int64_t M, bool stream = true) {
   if (n <= 0) return;
   if constexpr (X::REGS >= 32) {
-    if (M <= X::W) score_tiles_nv<X, 8, 1>(K, n, QT, ldq, D, S, M);
-    else if (M <= 2 * X::W) score_tiles_nv<X, 8, 2>(K, n, QT, ldq, D, S, M);
-    else if (M <= 3 * X::W) score_tiles_nv<X, 8, 3>(K, n, QT, ldq, D, S, M);
-    else score_tiles_nv<X, 6, 4>(K, n, QT, ldq, D, S, M);
+    if (M <= X::W) score_tiles_nv<X, 8, 1>(K, n, QT, ldq, D, S, M, stream);
+    else if (M <= 2 * X::W) score_tiles_nv<X, 8, 2>(K, n, QT, ldq, D, S, M, stream);
+    else if (M <= 3 * X::W) score_tiles_nv<X, 8, 3>(K, n, QT, ldq, D, S, M, stream);
+    else score_tiles_nv<X, 6, 4>(K, n, QT, ldq, D, S, M, stream);
   } else {
-    if (M <= X::W) score_tiles_nv<X, 8, 1>(K, n, QT, ldq, D, S, M);
-    else score_tiles_nv<X, 6, 2>(K, n, QT, ldq, D, S, M);
+    if (M <= X::W) score_tiles_nv<X, 8, 1>(K, n, QT, ldq, D, S, M, stream);
+    else score_tiles_nv<X, 6, 2>(K, n, QT, ldq, D, S, M, stream);
   }
 }
 #endif
@@ -237,7 +239,7 @@ constexpr int64_t PV_PREFETCH_KEYS = 8;
 // w = NC W): n keys, V rows V[0..n) read as they lie, PT [n][ldp] the keys-major probabilities.
 template <class X, int MR, int NC, bool FULL>
 inline void pv_tile_f32(const float* const* V, int64_t n, const float* PT, int64_t ldp, float* O, int64_t ldo, int64_t c0,
-                        int64_t w, BlockPrefetch& pf) {
+                        int64_t w, BlockPrefetch& pf, bool ahead) {
   constexpr int W = X::W;
   typename X::V acc[MR][NC];
   OPENMLA_TILE_UNROLL
@@ -248,7 +250,7 @@ inline void pv_tile_f32(const float* const* V, int64_t n, const float* PT, int64
   }
   for (int64_t j = 0; j < n; ++j) {
     const float* v = V[j] + c0;
-    if (j + PV_PREFETCH_KEYS < n) {
+    if (ahead && j + PV_PREFETCH_KEYS < n) {
       const char* ahead = reinterpret_cast<const char*>(V[j + PV_PREFETCH_KEYS] + c0);
       _mm_prefetch(ahead, _MM_HINT_T0);
       if constexpr (NC * W * 4 > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
@@ -278,11 +280,11 @@ inline void pv_tile_f32(const float* const* V, int64_t n, const float* PT, int64
 
 template <class X, int MR, int NC, bool FULL>
 inline void pv_group_f32(int64_t rows, const float* const* V, int64_t n, const float* PT, int64_t ldp, float* O,
-                         int64_t ldo, int64_t c0, int64_t w, BlockPrefetch& pf) {
+                         int64_t ldo, int64_t c0, int64_t w, BlockPrefetch& pf, bool ahead) {
   if constexpr (MR > 1) {
-    if (rows < MR) return pv_group_f32<X, MR - 1, NC, FULL>(rows, V, n, PT, ldp, O, ldo, c0, w, pf);
+    if (rows < MR) return pv_group_f32<X, MR - 1, NC, FULL>(rows, V, n, PT, ldp, O, ldo, c0, w, pf, ahead);
   }
-  pv_tile_f32<X, MR, NC, FULL>(V, n, PT, ldp, O, ldo, c0, w, pf);
+  pv_tile_f32<X, MR, NC, FULL>(V, n, PT, ldp, O, ldo, c0, w, pf, ahead);
 }
 
 // Near-equal groups of at most MR query rows per chunk of NC W latent columns (the chunk's V
@@ -295,8 +297,9 @@ inline void pv_chunks_f32(const float* const* V, int64_t n, const float* PT, int
     const int64_t w = std::min<int64_t>(NC * X::W, L - c);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = M * g / groups, r1 = M * (g + 1) / groups;
-      if (w == NC * X::W) pv_group_f32<X, MR, NC, true>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
-      else pv_group_f32<X, MR, NC, false>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf);
+      // the chunk's V columns are asked into L1 by the first group; the others find them there
+      if (w == NC * X::W) pv_group_f32<X, MR, NC, true>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf, g == 0);
+      else pv_group_f32<X, MR, NC, false>(r1 - r0, V, n, PT + r0, M, O + r0 * ldo, ldo, c, w, pf, g == 0);
     }
   }
 }
