@@ -17,6 +17,7 @@
 namespace openmla {
 
 constexpr float FP8_MAX = 448.f;
+static_assert(DS_GROUP % VL == 0, "an fp8_ds_mla group is whole vectors");
 
 struct WriteArgs {
   const void* q = nullptr;  // [T, H, Dq], rows contiguous
@@ -206,11 +207,16 @@ struct CacheWriter {
         for (int64_t g = 0; g < L / DS_GROUP; ++g) {
           // openmla.fp8.pack_ds_mla's scale: amax / 448, or 1 for an all-zero group and (its NaN
           // amax failing ``amax > 0``) for a group holding a NaN, whose NaN values stay NaN.
+          // The group's |x| max in vectors (at::vec::maximum propagates a NaN), then across lanes.
+          fVec vmax(0.f);
+          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; j += VL) vmax = at::vec::maximum(vmax, fVec::loadu(tmp + j).abs());
+          alignas(64) float lanes[VL];
+          vmax.store(lanes);
           float amax = 0.f;
           bool nan = false;
-          for (int64_t j = g * DS_GROUP; j < (g + 1) * DS_GROUP; ++j) {
-            nan |= std::isnan(tmp[j]);
-            amax = std::max(amax, std::fabs(tmp[j]));
+          for (int64_t i = 0; i < VL; ++i) {
+            nan |= std::isnan(lanes[i]);
+            amax = std::max(amax, lanes[i]);
           }
           const float scale = amax > 0.f && !nan ? amax / FP8_MAX : 1.f;
           fp8_row(tmp + g * DS_GROUP, scale, dst + g * DS_GROUP, DS_GROUP, buf);
