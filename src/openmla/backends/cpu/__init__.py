@@ -1,11 +1,12 @@
 """The ``cpu`` backend: native C++ kernels (oneDNN brgemm through ATen, one parallel region
-per call), built on first use; see ``api`` for what runs natively and ``build`` for how it is
+per call), built on first use; see ``backend`` for what runs natively and ``build`` for how it is
 compiled and cached.
 
 - ``build``: compile/load ``csrc/`` with ``torch.utils.cpp_extension`` (cached per torch
-  version and CPU flags); :func:`available` is False (after one warning) where that fails.
+  version and CPU flags), after writing ``codes.h`` (the format and mask codes,
+  ``openmla.kernel_codes``); :func:`available` is False (after one warning) where that fails.
 - ``kernels``: flat wrappers (tensors and ints, no ``CacheBatch``).
-- ``api``: the backend interface of ``openmla.backends``.
+- ``backend``: ``CpuBackend``, the backend interface of ``openmla.backends``.
 """
 
 from __future__ import annotations
