@@ -316,3 +316,29 @@ def test_cache_batch_accepts_every_index_dtype_and_fp8_formats():
         CacheBatch(e4m3.blocks, e4m3.block_table, e4m3.cache_lengths, e4m3.input_row_offsets, 4, cache_format="fp8_e4m3")
     with pytest.raises(ValueError, match="^kv_collection.rope_dim"):
         CacheBatch(ds.blocks, ds.block_table, ds.cache_lengths, ds.input_row_offsets, 4, cache_format="fp8_ds_mla", rope_dim=10)
+
+
+def test_kept_plans_live_beside_the_batch_not_on_it():
+    """The MAX ops' kept plans (``openmla.kept_plans``) are keyed by the batch's host lists: a shallow
+    copy of the batch shares them, ``HostLists.refill`` drops them, a new lists object has none, and
+    they go when the lists do (a weak mapping); ``HostLists`` carries no plans itself."""
+    import dataclasses
+    import gc
+
+    from openmla import kept_plans
+    from openmla.cache import HostLists
+
+    assert "kept_plans" not in {f.name for f in dataclasses.fields(HostLists)}
+    cache = PagedLatentCache(1, 4, 4, head_dim=16, rope_dim=4, dtype=torch.float32)
+    batch = cache.prepare(["a"], [3])
+    first = kept_plans.kept_plan(batch, 0.5, {})
+    assert kept_plans.kept_plan(batch, 0.5, {}) is first
+    assert kept_plans.kept_plan(dataclasses.replace(batch), 0.5, {}) is first  # the copy shares the host lists
+    batch._host.refill(HostLists(batch._host.cache_lengths, batch._host.offsets))
+    assert kept_plans.kept_plan(batch, 0.5, {}) is not first
+    other = dataclasses.replace(batch, _host=batch._host.copy())
+    assert kept_plans.kept_plan(other, 0.5, {}) is not first
+    n = len(kept_plans._kept)
+    del other
+    gc.collect()
+    assert len(kept_plans._kept) == n - 1
