@@ -91,6 +91,17 @@ def _finite(values: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(~torch.isfinite(values), 0)
 
 
+def _seen_nonfinite(state: OnlineSoftmax, visible: torch.Tensor, values: torch.Tensor, H: int) -> None:
+    """NaN into the accumulator columns where a query sees a key whose value there is NaN / inf
+    (``visible [tokens, n]``, state rows token-major with ``H`` heads): what the reference's P x V
+    gives, as such a key's score is NaN or +-inf (K = V in MLA): a NaN row already, or a -inf
+    score's zero probability times an infinite value. Only blocks some query does not see come
+    here (``_finite`` zeroed those values); one small product, no host read."""
+    hit = torch.mm(visible.to(state.acc.dtype), (~torch.isfinite(values)).to(state.acc.dtype))  # [tokens, L]
+    acc = state.acc.view(visible.shape[0], H, -1)
+    acc.masked_fill_(hit[:, None, :] > 0, math.nan)
+
+
 def fully_visible(mask: MaskVariant, p_lo: int, p_hi: int, kv_len: int) -> tuple[int, int]:
     """Key range ``[lo, hi)`` every query at positions ``p_lo..p_hi`` sees (may be empty).
 
@@ -177,8 +188,10 @@ def _dense(plan: "PlanView", layer_idx: int, q: torch.Tensor, spec: "AttentionSp
                     if not (full_lo <= k0 and k1 <= full_hi):  # some query of the chunk cannot see some key
                         visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                         s.view(r1 - r0, H, k1 - k0).masked_fill_(~visible[:, None, :], -math.inf)
-                        values = _finite(values)
-                    state.add(s, values)
+                        state.add(s, _finite(values))
+                        _seen_nonfinite(state, visible, values, H)
+                    else:
+                        state.add(s, values)
                 results.append(state.result())
             o, o_lse = _merge(results)
             out[r0:r1] = o.view(r1 - r0, H, L)
