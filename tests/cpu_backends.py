@@ -8,20 +8,10 @@ native kernels). A module opts in with an autouse fixture that sets its ``BACKEN
 
 from __future__ import annotations
 
-import math
 
 import pytest
-import torch
 
 CPU_BACKENDS = ("torch", "cpu")
-
-
-def poison_workspace(monkeypatch) -> None:
-    """Scratch from ``openmla.workspace`` starts as NaN bytes (0xff) for the rest of the test."""
-    from openmla import workspace
-
-    monkeypatch.setattr(workspace, "_new", lambda nbytes, device: torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device))
-    workspace.clear()  # buffers made from now on start poisoned
 
 
 def hooks():
@@ -35,11 +25,12 @@ def use_backend(name: str, monkeypatch) -> str:
     """Prepare ``name`` for one test: for ``cpu``, skip where the kernels do not build, and make
     every output the kernels fill, and every thread's scratch memory, start as NaN."""
     if name == "cpu":
-        from openmla.backends.cpu import available, kernels
+        from openmla import workspace
+        from openmla.backends.cpu import available
 
         if not available():
             pytest.skip("the native cpu backend did not build here")
-        monkeypatch.setattr(kernels, "_alloc", lambda shape, dtype: torch.full(shape, math.nan, dtype=dtype))
-        poison_workspace(monkeypatch)
+        monkeypatch.setattr(workspace, "POISON", True)  # the conftest nan_buffers fixture's switch
+        workspace.clear()  # scratch made from now on starts poisoned
         hooks().poison_scratch()
     return name

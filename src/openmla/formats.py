@@ -22,7 +22,7 @@ and ``openmla.nvfp4``.
 A record format packs each token's ``L+R`` entry into one uint8 row of a fixed width (``RECORDS``).
 
 DeepSeek-V4's 512-value entries have their own FP8 form, laid out per page rather than per token
-(584 bytes per token, FlashMLA's ``MODEL1_FP8Sparse``): ``openmla.fp8_v4``.
+(584 bytes per token, FlashMLA's ``MODEL1_FP8Sparse``): ``openmla.v4.fp8_v4``, an exchange format, not a store format.
 """
 
 from __future__ import annotations

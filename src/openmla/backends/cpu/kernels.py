@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ... import workspace
+from ...workspace import empty_output
 from ...kernel_codes import FORMAT_CODES, MASK_CODES  # the kernels' format and mask codes (the C++ enums are generated from them)
 from ...masks import MaskVariant
 from . import build
@@ -98,11 +99,6 @@ def _no_grad(fn):
     return wrapper
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Every output the kernels fill completely: ``workspace.empty_output`` on the CPU."""
-    return workspace.empty_output(shape, dtype)
-
-
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -124,7 +120,7 @@ def decode(
     idx = None if sparse_indices is None else _int32(sparse_indices)
     topk = None if topk_lengths is None else _int32(topk_lengths)
     T, H, _ = q.shape
-    out, lse = _alloc((T, H, kv_lora_rank), dtype), _alloc((T, H), torch.float32)
+    out, lse = empty_output((T, H, kv_lora_rank), dtype), empty_output((T, H), torch.float32)
     q = (q if q.dtype == dtype else q.to(dtype)).contiguous()
     build.ops().decode(
         q, cache.pages, _int32(cache.block_table), _int32(cache.cache_lengths), _int32(cache.offsets),
@@ -143,7 +139,7 @@ def pack_heads(w: torch.Tensor) -> torch.Tensor:
     odd = w.dtype == torch.bfloat16 and any(s % 2 for s in (*w.stride()[:2], w.storage_offset()))
     if w.stride(-1) != 1 or odd:  # the kernel reads bf16 rows as 32-bit pairs
         w = w.clone(memory_format=torch.contiguous_format)
-    packed = _alloc((H, K * M), w.dtype)
+    packed = empty_output((H, K * M), w.dtype)
     build.ops().pack_heads(w, packed)
     return packed
 
@@ -157,7 +153,7 @@ def heads_gemm(x: torch.Tensor, packed: torch.Tensor, m: int, k: int) -> torch.T
     T, H, D = x.shape
     if x.stride(-1) != 1 or (T > 1 and x.stride(0) < k):  # rows are brgemm's A: unit stride, not overlapping
         x = x.contiguous()
-    out = _alloc((T, H, m + D - k), x.dtype)
+    out = empty_output((T, H, m + D - k), x.dtype)
     build.ops().heads_gemm(x, packed, m, k, out)
     return out
 
@@ -172,7 +168,7 @@ def write_cache(q: torch.Tensor, kv: torch.Tensor, freqs_cis: torch.Tensor, gamm
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     freqs = freqs_cis if freqs_cis.stride(-1) == 1 else freqs_cis.contiguous()
     q = q.contiguous()
-    q_rot = _alloc(tuple(q.shape), q.dtype)
+    q_rot = empty_output(tuple(q.shape), q.dtype)
     build.ops().write_cache(
         q, kv, freqs, gamma.to(torch.float32).contiguous(), cache.pages, _int32(cache.block_table),
         _int32(cache.cache_lengths), _int32(cache.offsets), cache.fmt, float(cache.kv_scale), gamma.shape[0], float(epsilon),
@@ -220,7 +216,7 @@ class PrefillState:
     def empty(cls, rows: int, v_depth: int) -> "PrefillState":
         """Undefined contents: the first chunk writes every row."""
         f32 = torch.float32
-        return cls(_alloc((rows, v_depth), f32), _alloc((rows,), f32), _alloc((rows,), f32))
+        return cls(empty_output((rows, v_depth), f32), empty_output((rows,), f32), empty_output((rows,), f32))
 
 
 @_no_grad
@@ -239,7 +235,7 @@ def prefill_chunk(
     st = (None, None, None) if state is None else (state.o, state.ref, state.sum)
     T, H, _ = q.shape
     rows = T if last else 0
-    out, lse = _alloc((rows, H, v.shape[1] // H), q.dtype), _alloc((rows, H), torch.float32)
+    out, lse = empty_output((rows, H, v.shape[1] // H), q.dtype), empty_output((rows, H), torch.float32)
     build.ops().prefill_chunk(
         q, k, v, rope, _int32(offsets), _int32(cache_lengths), spans[0].contiguous(), spans[1].contiguous(),
         spans[2].contiguous(), float(scale), *_mask_args(mask), *st, bool(first), bool(last), sink, out, lse,
@@ -312,7 +308,7 @@ def shared_kv(q: torch.Tensor, raw_blocks: torch.Tensor, raw_table: torch.Tensor
     int ``[T, K]`` (-1 unused) or None for every entry the rule allows. Returns float32
     ``out [T, H, D]`` and ``lse [T, H]`` (sink excluded; zeros and -inf for a row without a key)."""
     T, H, D = q.shape
-    out, lse = _alloc((T, H, D), torch.float32), _alloc((T, H), torch.float32)
+    out, lse = empty_output((T, H, D), torch.float32), empty_output((T, H), torch.float32)
     if T == 0:
         return out, lse
     sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()

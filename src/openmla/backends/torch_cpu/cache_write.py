@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...cache import CacheBatch
+from ...workspace import empty_output
 
 if TYPE_CHECKING:
     from ..base import PlanView
@@ -57,7 +58,7 @@ def cache_entries(
     nd = _norm_dtype(out_dtype)
     x = kv[:, :L].to(nd)
     latent = x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(epsilon)) * gamma.to(nd)
-    out = torch.empty(kv.shape[0], kv.shape[1], dtype=out_dtype, device=kv.device)
+    out = empty_output((kv.shape[0], kv.shape[1]), out_dtype, kv.device)
     out[:, :L] = latent
     # The rope part is tiny; float64 keeps cancellation in (a c - b s) from costing ulps.
     out[:, L:] = rotate(kv[:, L:], freqs_cis, pos, interleaved, torch.float64)
