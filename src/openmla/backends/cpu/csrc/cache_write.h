@@ -254,25 +254,13 @@ inline void write_rows_op(const at::Tensor& entries, const at::Tensor& pages, co
               "openmla cpu: entries must be a CPU [n, L+R] tensor with unit last stride");
   const at::ScalarType et = entries.scalar_type();
   TORCH_CHECK(et == at::kBFloat16 || et == at::kHalf || et == at::kFloat, "openmla cpu: entries must be bf16, fp16 or float32");
-  TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.stride(2) == 1, "openmla cpu: pages must be [P, S, W] with unit last stride");
   TORCH_CHECK(rows.device().is_cpu() && rows.is_contiguous() && rows.scalar_type() == at::kLong && rows.dim() == 1 &&
                   rows.size(0) == entries.size(0), "openmla cpu: rows must be a contiguous int64 [n] tensor");
-  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_NVFP4_FP8ROPE, "openmla cpu: unknown cache format ", fmt);
   const int64_t W = entries.size(1), L = kv_lora_rank, R = W - L;
-  TORCH_CHECK(!is_nvfp4(fmt) || (L == NV_LATENT && R == NV_ROPE), "openmla cpu: NVFP4 records hold L = 512 and R = 64");
   WriteArgs a;
-  PagedCache& c = a.cache;
+  a.cache = PagedCache::of(pages, fmt, kv_scale, L, R);
+  const PagedCache& c = a.cache;
   const int64_t elem = pages.element_size();
-  c.base = static_cast<const uint8_t*>(pages.data_ptr());
-  c.page_stride = pages.stride(0) * elem;
-  c.row_stride = pages.stride(1) * elem;
-  c.page_size = pages.size(1);
-  c.fmt = fmt;
-  c.kv_scale = static_cast<float>(kv_scale);
-  c.L = L;
-  c.R = R;
-  TORCH_CHECK(pages.size(2) * elem >= c.stored_bytes(), "openmla cpu: pages rows hold ", pages.size(2) * elem,
-              " bytes, the format stores ", c.stored_bytes());
   const int64_t n = entries.size(0), num_rows = pages.size(0) * pages.size(1), ld = entries.stride(0) * entries.element_size();
   const int64_t* row = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(row[i] < num_rows, "openmla cpu: row ", row[i], " is past the ", num_rows, " rows");

@@ -32,23 +32,9 @@ void check_out(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype,
 
 PagedCache paged_cache(const at::Tensor& pages, const at::Tensor& block_table, int64_t fmt, double kv_scale, int64_t L,
                        int64_t R) {
-  TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.stride(2) == 1, "openmla cpu: pages must be [P, S, W] with unit last stride");
   check_cpu_contiguous(block_table, "block_table");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "openmla cpu: block_table must be int32 [B, P]");
-  TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_NVFP4_FP8ROPE, "openmla cpu: unknown cache format ", fmt);
-  TORCH_CHECK(!is_nvfp4(fmt) || (L == NV_LATENT && R == NV_ROPE &&
-                                   pages.size(2) * pages.element_size() >= (fmt == FMT_NVFP4_DS ? NV_DS_BYTES : NV_FR_BYTES)),
-              "openmla cpu: NVFP4 records hold L = 512 and R = 64 (", L, " and ", R, " given) in whole records");
-  PagedCache c;
-  const int64_t elem = pages.element_size();
-  c.base = static_cast<const uint8_t*>(pages.data_ptr());
-  c.page_stride = pages.stride(0) * elem;
-  c.row_stride = pages.stride(1) * elem;
-  c.page_size = pages.size(1);
-  c.fmt = fmt;
-  c.kv_scale = static_cast<float>(kv_scale);
-  c.L = L;
-  c.R = R;
+  PagedCache c = PagedCache::of(pages, fmt, kv_scale, L, R);
   c.table = block_table.data_ptr<int32_t>();
   c.table_stride = block_table.size(1);
   return c;

@@ -261,6 +261,28 @@ struct PagedCache {
       default: return L + 4 * (L / DS_GROUP) + 2 * R;
     }
   }
+  // One layer's pages [P, S, W] (unit last stride) holding entries of L + R values in format fmt;
+  // the block table is the caller's (a rows write has none). Checks what every caller needs.
+  static PagedCache of(const at::Tensor& pages, int64_t fmt, double kv_scale, int64_t L, int64_t R) {
+    TORCH_CHECK(pages.device().is_cpu() && pages.dim() == 3 && pages.stride(2) == 1,
+                "openmla cpu: pages must be [P, S, W] with unit last stride");
+    TORCH_CHECK(fmt >= FMT_BF16 && fmt <= FMT_NVFP4_FP8ROPE, "openmla cpu: unknown cache format ", fmt);
+    TORCH_CHECK(!is_nvfp4(fmt) || (L == NV_LATENT && R == NV_ROPE),
+                "openmla cpu: NVFP4 records hold L = 512 and R = 64 (", L, " and ", R, " given)");
+    PagedCache c;
+    const int64_t elem = pages.element_size();
+    c.base = static_cast<const uint8_t*>(pages.data_ptr());
+    c.page_stride = pages.stride(0) * elem;
+    c.row_stride = pages.stride(1) * elem;
+    c.page_size = pages.size(1);
+    c.fmt = fmt;
+    c.kv_scale = static_cast<float>(kv_scale);
+    c.L = L;
+    c.R = R;
+    TORCH_CHECK(pages.size(2) * elem >= c.stored_bytes(), "openmla cpu: pages rows hold ", pages.size(2) * elem,
+                " bytes, the format stores ", c.stored_bytes());
+    return c;
+  }
   const uint8_t* phys(int64_t row) const { return base + (row / page_size) * page_stride + (row % page_size) * row_stride; }
   const uint8_t* logical(int64_t b, int64_t pos) const {
     int64_t page = table[b * table_stride + pos / page_size];
