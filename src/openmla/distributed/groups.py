@@ -13,12 +13,17 @@ Bounded time, never a hang:
 - ``agree`` runs after each rank validated a step's inputs and before any data is exchanged: an
   ``all_reduce`` of one error flag and one fingerprint per rank, so a bad input on one rank makes
   every rank raise the same clear error, and ranks whose schedulers diverged are caught.
+
+A clean exit: when ``init_grid`` starts the default group it also ends it at interpreter exit
+(``_end_at_exit``), so a script need not call ``destroy_process_group`` itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -30,6 +35,9 @@ from ..cache import CacheFullError
 
 # Longer than any sane step, short enough that a lost rank is reported within minutes.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+
+# How long the exit hook lets gloo's worker threads take the GIL to drop their last tensors.
+_EXIT_GRACE_S = 0.02
 
 # Exception classes a failing rank's error is re-raised as on the other ranks (by name).
 _KNOWN_ERRORS = {"ValueError": ValueError, "CacheFullError": CacheFullError}
@@ -122,6 +130,19 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def _end_at_exit() -> None:
+    """Destroy the default group and give its worker threads the GIL once more, before finalizing.
+
+    A gloo worker thread drops a finished collective's tensors after the caller has returned, and
+    that drop takes the GIL; if the interpreter is already finalizing, the thread is killed inside
+    a destructor and the process aborts ("terminate called without an active exception", torch
+    issue 190489). Sleeping here releases the GIL while threads may still take it.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    time.sleep(_EXIT_GRACE_S)
+
+
 def init_grid(
     tp: int = 1,
     cp: int = 1,
@@ -149,6 +170,7 @@ def init_grid(
         if backend == "nccl" and "LOCAL_RANK" in os.environ:  # one GPU per process, as torchrun numbers them
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=timeout)
+        atexit.register(_end_at_exit)
     world = dist.get_world_size()
     ranks = tuple(range(world)) if ranks is None else tuple(int(r) for r in ranks)
     if len(ranks) != tp * cp:
