@@ -6,6 +6,8 @@ included):
    with a NaN, infinite, all-zero (epsilon 0 and default) or outlier latent, on every backend
    present, against the float64 reference on the same stored bytes: the stored entries and every
    output row agree, NaN exactly where the reference has it (docs/api.md's NaN rule).
+   The decode form with several query tokens of a sequence and a poisoned key of the step; MAX's
+   chunk prefill with an infinite or NaN value whose key's score is -inf or finite.
 2. Reduced-precision queries (bf16, fp8 with ``q_scale``) over bf16 and fp8 caches against float64,
    tolerances derived from the dtypes: the LSE to float32 rounding (scores are float32; every
    product of stored values is exact there), the output to two bf16 epsilons.
@@ -62,8 +64,8 @@ def _entries(batch, layer_idx: int) -> torch.Tensor:
 @given(fmt=st.sampled_from(sorted(FORMATS)), latent=st.sampled_from(LATENTS), backend=st.sampled_from(BACKENDS),
        prefill=st.booleans(), token=st.integers(0, 2), coord=st.integers(0, 511), seed=st.integers(0, 2**31 - 1))
 def test_latent_edges_every_format(fmt, latent, backend, prefill, token, coord, seed):
-    if backend == "triton" and (fmt.startswith("nvfp4") or prefill):
-        backend = "torch"  # triton declines NVFP4; its interpreter runs prefill slowly (the decode form covers it)
+    if backend == "triton" and fmt.startswith("nvfp4"):
+        backend = "torch"  # triton declines NVFP4
     with pytest.MonkeyPatch.context() as mp:
         name = _ready(backend, mp)
         dtype_arg, H, L, R, Dn = FORMATS[fmt]
@@ -141,6 +143,38 @@ def test_step_key_unseen_by_earlier_queries(fmt, value, column, path):
         tol = 2e-2 if fmt == "bfloat16" else 1e-4
         assert_close_nan(lse, w_lse, tol, f"{path} {fmt} lse", 11)
         assert_close_nan(out, w_out, tol, f"{path} {fmt} out", 11)
+
+
+# 1c. Chunk prefill (up-projected k, v given): a seen key with an infinite value -------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("score", ["-inf", "finite"])
+def test_chunk_prefill_seen_infinite_value(score, backend, dtype):
+    """MAX's chunk prefill takes any k and v, so a key's value may be infinite where its score is
+    -inf (zero probability: 0 x inf, NaN in those columns, as the reference's P x V) or finite
+    (+-inf there). A key in the middle of a causal prefill: the queries before it never see it
+    (finite rows), the ones after it do; their rows must be the reference's column for column."""
+    from malformed import flare_args
+
+    with pytest.MonkeyPatch.context() as mp:
+        name = _ready(backend, mp)
+        case = make_case([3, 0], [21, 6], config=small_config(2, 64, 16, 32, 32), page_size=4, dtype=dtype, seed=5)
+        openmla.plan(case.batch, scale=case.scale, backend="reference").run(*case.run_args())  # the step's rope rows
+        kw = flare_args(case)
+        q, k, v = kw["q"].clone(), kw["k"].to(dtype), kw["v"].to(dtype)
+        s = 3 + 11  # sequence 0's key at position 14: its queries 0-10 do not see it, 11-20 do
+        if score == "-inf":
+            q[:, 0, 0] = q[:, 0, 0].abs() + 0.5
+            k[s, 0, 0] = -math.inf
+        v[s, 0, 5], v[s, 1, 6], v[s, 1, 7] = math.inf, -math.inf, math.nan
+        kw.update(q=q, k=k, v=v)
+        got = openmla.flare_mla_prefill(**kw, backend=name, return_lse=True)
+        want = openmla.flare_mla_prefill(**kw, backend="reference", return_lse=True)
+        assert not torch.isnan(want[0][:11]).any() and torch.isnan(want[0][11:21, 1, 7]).all()
+        assert torch.isnan(want[0][11:21, 0, 5]).all() if score == "-inf" else torch.isinf(want[0][11:21, 0, 5]).all()
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        assert_close_nan(got[1], want[1], tol, f"{name} lse", 5)
+        assert_close_nan(got[0], want[0], tol, f"{name} out", 5)
 
 
 # 2. Reduced-precision queries against float64 -----------------------------------------------------

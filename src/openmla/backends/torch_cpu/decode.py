@@ -46,6 +46,7 @@ SCORE_BUDGET = 1 << 19  # score elements per key block (2 MiB of float32); 2^17.
 MAX_BLOCK_KEYS = 4096  # keys per block at few query rows; 1K..8K keys within noise at H=16
 MAX_QUERY_ROWS = 1024  # query rows (tokens x heads) per dense chunk, so a block keeps >= 512 keys
 SPARSE_GATHER_ROWS = 8192  # keys gathered at once by the sparse path (tokens x slots): one block's worth
+SEEN_KEYS = 255  # keys per seen_product: its counts of infinities fit 8 bits each, exact in float32
 
 
 # The online softmax, shared with prefill ------------------------------------------------------
@@ -62,16 +63,29 @@ class OnlineSoftmax:
         self.den = torch.zeros(rows, dtype=dtype, device=device)
         self.acc = torch.zeros(*rows, depth, dtype=dtype, device=device)
 
-    def add(self, s: torch.Tensor, v: torch.Tensor, at=...) -> None:
+    def add(self, s: torch.Tensor, v: torch.Tensor, at=..., seen: tuple[torch.Tensor, int, int] | None = None) -> None:
         """Fold in one key block: scores ``s [..., n]`` in the state's dtype, already scaled, -inf
-        where masked (overwritten); values ``v [..., n, depth]``; ``at`` indexes the state's rows."""
+        where masked (overwritten); values ``v [..., n, depth]``; ``at`` indexes the state's rows.
+
+        ``seen = (visible [..., n], a, b)`` when some row does not see some key: every row sees
+        the keys ``[a, b)``; the others go through ``seen_product``, so that a NaN or inf value
+        reaches only the rows that see its key."""
         m, den, acc = self.m[at], self.den[at], self.acc[at]  # views: ``at`` is basic (slice) indexing
         m_new = torch.maximum(m, s.amax(-1))
         m_ref = m_new.masked_fill(m_new == -math.inf, 0.0)  # no key yet: any finite reference (exp(-inf) = 0)
         p = s.sub_(m_ref.unsqueeze(-1)).exp_()
         alpha = torch.exp(m - m_ref)  # rescales what came before (0 when nothing did)
         den.mul_(alpha).add_(p.sum(-1))
-        acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p.to(v.dtype), v))
+        acc.mul_(alpha.unsqueeze(-1))
+        if seen is None:
+            acc.add_(torch.matmul(p.to(v.dtype), v))
+        else:
+            visible, a, b = seen
+            acc.add_(torch.matmul(p[..., a:b].to(v.dtype), v[..., a:b, :]))
+            for lo, hi in ((0, a), (b, p.shape[-1])):
+                for k0 in range(lo, hi, SEEN_KEYS):
+                    k1 = min(k0 + SEEN_KEYS, hi)
+                    acc.add_(seen_product(p[..., k0:k1], v[..., k0:k1, :], visible[..., k0:k1]))
         m.copy_(m_new)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +96,23 @@ class OnlineSoftmax:
         out = self.acc / torch.where(empty, 1.0, self.den).unsqueeze(-1)
         lse = torch.where(empty, -math.inf, self.m + torch.log(self.den))
         return out, lse
+
+
+def seen_product(p: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``p [..., m, n] x v [..., n, d]`` over the keys each row sees (``visible [..., m, n]``; ``p``
+    is 0 where a row does not), with the reference's arithmetic for a NaN or inf value where seen
+    (``0 x inf`` = NaN for a -inf score, +-inf for a positive probability) and nothing where not
+    (a plain product would give ``0 x NaN``). No host read: one 0/1-coded product finds, per row
+    and column, the seen infinities of each sign (NaN counts as both), and whether a seen one
+    has probability 0. ``n <= SEEN_KEYS``, so the counts stay exact in float32."""
+    nan, plus, minus = torch.isnan(v), v == math.inf, v == -math.inf
+    plain = torch.matmul(p.to(v.dtype), v.masked_fill(nan | plus | minus, 0))
+    signs = (plus | nan).to(p.dtype) + 256 * (minus | nan).to(p.dtype)  # [..., n, d]: +inf count, -inf count
+    weight = visible.to(p.dtype) * torch.where(p > 0, 1.0, 65536.0)  # seen at probability 0: far above any count
+    code = torch.matmul(weight, signs)  # < 65536 unless some seen probability-0 key has an infinity
+    up, down = torch.remainder(code, 256) > 0, code >= 256
+    odd = torch.where(up, math.inf, 0.0) + torch.where(down, -math.inf, 0.0)  # both: inf - inf = NaN
+    return plain + odd.masked_fill(code >= 65536, math.nan).to(plain.dtype)
 
 
 def _finite(values: torch.Tensor) -> torch.Tensor:

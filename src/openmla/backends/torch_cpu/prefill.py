@@ -30,7 +30,7 @@ from ...chunks import default_buffer_size
 from ...combine import apply_sink
 from ...masks import MaskVariant
 from ...workspace import empty_output
-from .decode import OnlineSoftmax, _finite, fully_visible
+from .decode import OnlineSoftmax, fully_visible
 
 if TYPE_CHECKING:
     from ...cache import CacheBatch
@@ -138,11 +138,13 @@ def _attend(state: OnlineSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 j0, j1 = sp.row + k0 - sp.k_lo, sp.row + k1 - sp.k_lo  # rows of the compacted keys
                 s = torch.bmm(q[:, r0:r1], k[:, j0:j1].transpose(1, 2)).mul_(scale)  # [H, m, n] in the state's dtype
                 values = v[:, j0:j1]
+                seen = None
                 if not (full_lo <= k0 and k1 <= full_hi):  # some query of the block cannot see some key
                     visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                     s.masked_fill_(~visible, -math.inf)
-                    values = _finite(values)
-                state.add(s, values, at=(slice(None), slice(r0, r1)))
+                    a = min(max(full_lo, k0), k1) - k0  # [a, b): the block's keys every query sees
+                    seen = (visible, a, max(a, min(full_hi, k1) - k0))
+                state.add(s, values, at=(slice(None), slice(r0, r1)), seen=seen)
 
 
 def _output(state: OnlineSoftmax, dtype: torch.dtype, attn_sink: torch.Tensor | None,

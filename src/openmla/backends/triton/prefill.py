@@ -35,7 +35,7 @@ import triton.language as tl
 from ...cache import CacheBatch
 from ...masks import MaskVariant
 from . import _common
-from ._common import cast_to, key_range, natural_lse, next_pow2, online_softmax_step, physical_row
+from ._common import cast_to, key_range, natural_lse, next_pow2, online_softmax_step, physical_row, seen_values_product
 from .merge import merge_parts
 
 
@@ -110,7 +110,7 @@ def _flare_prefill_kernel(
         s = tl.where(visible, s * sm_scale_log2, float("-inf"))  # base-2 logits
 
         p, alpha, l_i, m_new = online_softmax_step(s, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + seen_values_product(p, v, visible, DOT_T, PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]  # no key: acc is 0, out stays 0 (a NaN sum: NaN)

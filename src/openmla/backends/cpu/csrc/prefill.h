@@ -8,6 +8,9 @@
 // one call merge through a float32 running state (``first`` / ``last``).
 #pragma once
 
+#include <algorithm>
+#include <vector>
+
 #include "operands.h"
 #include "softmax.h"
 
@@ -51,19 +54,43 @@ struct PrefillUnit {
   int64_t cost;
 };
 
-// NaN / inf -> 0 in a packed V block (n values). A query that does not see a key multiplies its
-// value by a zero probability, and 0 * NaN would leak NaN into that query's row; a query that
-// sees the key has a NaN or +inf score for it (the value comes from the same latent), so its row
-// is NaN anyway (softmax.h's NaN rule). One pass over the block, next to the GEMMs that read it.
+// A NaN / inf value of a packed V block. It leaves the block (a query that does not see its key
+// would multiply it by a zero probability, and 0 x NaN would leak NaN into that query's row) and
+// comes back as p x value for the queries that see it: 0 x inf = NaN for a -inf score, +-inf for a
+// finite one, as the reference's P x V. One pass over the block, next to the GEMMs that read it;
+// nothing is kept unless a value is non-finite.
+struct OddValue {
+  int64_t block, row, col;
+  float value;
+};
+
 template <typename T>
-inline void zero_nonfinite(T* v, int64_t n) {
+inline void take_nonfinite(T* v, int64_t n, int64_t Dv, int64_t block, std::vector<OddValue>& odd) {
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < n; ++i) v[i] = std::isfinite(v[i]) ? v[i] : 0.f;
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(v[i])) {
+        odd.push_back({block, i / Dv, i % Dv, v[i]});
+        v[i] = 0.f;
+      }
   } else {
     constexpr uint16_t EXP = std::is_same_v<T, Half> ? 0x7C00 : 0x7F80;  // all-ones exponent: inf or NaN
     uint16_t* bits = reinterpret_cast<uint16_t*>(v);
-    for (int64_t i = 0; i < n; ++i) bits[i] = (bits[i] & EXP) == EXP ? 0 : bits[i];
+    for (int64_t i = 0; i < n; ++i)
+      if ((bits[i] & EXP) == EXP) {  // VNNI-2 pairs of rows (operands.h): [row / 2][col][row % 2]
+        odd.push_back({block, 2 * (i / (2 * Dv)) + i % 2, (i % (2 * Dv)) / 2, static_cast<float>(v[i])});
+        bits[i] = 0;
+      }
   }
+}
+
+// O += p x value for the rows of a block (m rows, probabilities P with stride ldp) that see each
+// of the block's odd values (row r sees the block's columns [c0[r], c1[r])).
+template <typename T>
+inline void add_odd_values(const OddValue* first, const OddValue* last, int64_t m, const int32_t* c0, const int32_t* c1,
+                           const T* P, int64_t ldp, float* O, int64_t ldo) {
+  for (const OddValue* e = first; e != last; ++e)
+    for (int64_t r = 0; r < m; ++r)
+      if (c0[r] <= e->row && e->row < c1[r]) O[r * ldo + e->col] += static_cast<float>(P[r * ldp + e->row]) * e->value;
 }
 
 template <typename T>
@@ -91,6 +118,7 @@ struct PrefillKernel {
     T* Kp = scratch<T>(S_KPACK, std::max<int64_t>(1, nblk) * Dq * BN);
     T* Vp = scratch<T>(S_VPACK, std::max<int64_t>(1, nblk) * BN * Dv);
     const T** vrows = scratch<const T*>(S_PTRS, BN);
+    std::vector<OddValue> odd;  // in block order
     const T* k = static_cast<const T*>(a.k);
     const T* v = static_cast<const T*>(a.v);
     const T* rope = static_cast<const T*>(a.rope);
@@ -103,7 +131,7 @@ struct PrefillKernel {
       zero_b_columns<T>(kb, Dq, BN, n, BN);
       for (int64_t r = 0; r < n; ++r) vrows[r] = v + (row + r) * a.v_ld + h * Dv;
       pack_b_rows<T>(vrows, n, BN, Dv, Vp + j * BN * Dv);
-      zero_nonfinite(Vp + j * BN * Dv, BN * Dv);
+      take_nonfinite(Vp + j * BN * Dv, BN * Dv, Dv, j, odd);
     }
 
     float* S = scratch<float>(S_SCORES, BM * BN);
@@ -140,6 +168,12 @@ struct PrefillKernel {
         }
         softmax_block<T>(S, BN, m, n, c0, c1, a.scale, ref, sum, O, Dv, Dv, P, BN);
         gemm(m, Dv, n, BN, Dv, Dv, true, P, Vp + j * BN * Dv, O);
+        if (!odd.empty()) {
+          auto by_block = [](const OddValue& e, int64_t blk) { return e.block < blk; };
+          const auto o0 = std::lower_bound(odd.begin(), odd.end(), j, by_block);
+          const auto o1 = std::lower_bound(o0, odd.end(), j + 1, by_block);
+          add_odd_values<T>(odd.data() + (o0 - odd.begin()), odd.data() + (o1 - odd.begin()), m, c0, c1, P, BN, O, Dv);
+        }
       }
       for (int64_t r = 0; r < m; ++r) finish(b, (q_row0 + qa + r) * H + h, O + r * Dv, ref[r], sum[r]);
     }
