@@ -20,6 +20,7 @@ included):
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -169,6 +170,11 @@ def test_chunk_prefill_seen_infinite_value(score, backend, dtype):
         v[s, 0, 5], v[s, 1, 6], v[s, 1, 7] = math.inf, -math.inf, math.nan
         kw.update(q=q, k=k, v=v)
         got = openmla.flare_mla_prefill(**kw, backend=name, return_lse=True)
+        if name == "torch":  # and its path for a device's tensors (no host read)
+            mp.setattr(importlib.import_module("openmla.backends.torch_cpu.prefill"), "host_reads_free", lambda _t: False)
+            on_device = openmla.flare_mla_prefill(**kw, backend=name, return_lse=True)
+            for g, d in zip(got, on_device):
+                torch.testing.assert_close(d, g, equal_nan=True)
         want = openmla.flare_mla_prefill(**kw, backend="reference", return_lse=True)
         assert not torch.isnan(want[0][:11]).any() and torch.isnan(want[0][11:21, 1, 7]).all()
         assert torch.isnan(want[0][11:21, 0, 5]).all() if score == "-inf" else torch.isinf(want[0][11:21, 0, 5]).all()

@@ -4,6 +4,9 @@ physical and logical rows with top-k lengths, fp8 caches), prefill (several chun
 sinks, fp8 caches) and flare_mla_prefill run with every way of reading a tensor on the host
 refused, then match the float64 reference.
 
+On CPU tensors the prefill forms look once per chunk for a NaN or inf value (a host read is free
+there, ``prefill.host_reads_free``); the refusal below takes that choice away, as on a device.
+
 The plan's host lists (cache lengths, offsets, chunk plans) are made with the plan, before the
 refusal starts: that is the one host read a step makes. On the CPU a plan makes its token
 positions and write rows at their first use (``made``, below): the tests make them first, as on
@@ -13,6 +16,7 @@ an accelerator the plan does.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 
 import pytest
@@ -22,6 +26,8 @@ import openmla
 from openmla import MaskVariant
 from openmla import reference as ref
 from openmla.chunks import check_chunk
+
+torch_prefill = importlib.import_module("openmla.backends.torch_cpu.prefill")  # the module (the package exports its function)
 
 from cases import MASK_CASES, TOL, assert_close, assert_lse, make_case, small_config
 
@@ -34,6 +40,7 @@ def host_reads_refused():
         raise AssertionError("host read of tensor data inside a torch backend call")
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_prefill, "host_reads_free", lambda _t: False)  # as for a device's tensors
         for name in REFUSED:
             mp.setattr(torch.Tensor, name, refuse)
         yield

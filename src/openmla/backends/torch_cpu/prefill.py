@@ -120,11 +120,20 @@ def _head_major_keys(k_nope: torch.Tensor, rope: torch.Tensor, dtype: torch.dtyp
     return k
 
 
+def host_reads_free(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values on the host makes no call wait for a device (CPU tensors)."""
+    return t.device.type == "cpu"
+
+
 def _attend(state: OnlineSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[Span],
             mask: MaskVariant, scale: float, block_m: int, block_n: int) -> None:
     """Fold one chunk into ``state``: queries ``q [H, T, Dq]`` and the chunk's compacted keys
     ``k [H, S, Dq]`` in the state's dtype (float32 scores), values ``v [H, S, Dv]``."""
     device = q.device
+    # Partly seen keys with a NaN / inf value need seen_product; on CPU tensors one look (a free host
+    # read) finds the usual case, none anywhere, and keeps the plain product; on a device every
+    # masked block takes seen_product, so the call never waits.
+    exact = not host_reads_free(v) or not bool(torch.isfinite(v).all())
     for sp in spans:
         for r0 in range(sp.q0, sp.q1, block_m):
             r1 = min(r0 + block_m, sp.q1)
@@ -142,8 +151,9 @@ def _attend(state: OnlineSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 if not (full_lo <= k0 and k1 <= full_hi):  # some query of the block cannot see some key
                     visible = mask.visible(q_pos[:, None], torch.arange(k0, k1, device=device)[None, :])
                     s.masked_fill_(~visible, -math.inf)
-                    a = min(max(full_lo, k0), k1) - k0  # [a, b): the block's keys every query sees
-                    seen = (visible, a, max(a, min(full_hi, k1) - k0))
+                    if exact:
+                        a = min(max(full_lo, k0), k1) - k0  # [a, b): the block's keys every query sees
+                        seen = (visible, a, max(a, min(full_hi, k1) - k0))
                 state.add(s, values, at=(slice(None), slice(r0, r1)), seen=seen)
 
 
