@@ -66,21 +66,20 @@ struct OddValue {
 
 template <typename T>
 inline void take_nonfinite(T* v, int64_t n, int64_t Dv, int64_t block, std::vector<OddValue>& odd) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < n; ++i)
-      if (!std::isfinite(v[i])) {
-        odd.push_back({block, i / Dv, i % Dv, v[i]});
-        v[i] = 0.f;
-      }
-  } else {
-    constexpr uint16_t EXP = std::is_same_v<T, Half> ? 0x7C00 : 0x7F80;  // all-ones exponent: inf or NaN
-    uint16_t* bits = reinterpret_cast<uint16_t*>(v);
-    for (int64_t i = 0; i < n; ++i)
-      if ((bits[i] & EXP) == EXP) {  // VNNI-2 pairs of rows (operands.h): [row / 2][col][row % 2]
-        odd.push_back({block, 2 * (i / (2 * Dv)) + i % 2, (i % (2 * Dv)) / 2, static_cast<float>(v[i])});
-        bits[i] = 0;
-      }
-  }
+  using Bits = std::conditional_t<std::is_same_v<T, float>, uint32_t, uint16_t>;
+  constexpr Bits EXP = std::is_same_v<T, float> ? 0x7F800000u : std::is_same_v<T, Half> ? 0x7C00 : 0x7F80;  // inf or NaN
+  Bits* bits = reinterpret_cast<Bits*>(v);
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) any |= (bits[i] & EXP) == EXP;  // a vectorised look first: usually none
+  if (!any) return;
+  for (int64_t i = 0; i < n; ++i)
+    if ((bits[i] & EXP) == EXP) {
+      // float: [row][col]; 16-bit types: VNNI-2 pairs of rows (operands.h), [row / 2][col][row % 2]
+      const int64_t row = std::is_same_v<T, float> ? i / Dv : 2 * (i / (2 * Dv)) + i % 2;
+      const int64_t col = std::is_same_v<T, float> ? i % Dv : (i % (2 * Dv)) / 2;
+      odd.push_back({block, row, col, static_cast<float>(v[i])});
+      bits[i] = 0;
+    }
 }
 
 // O += p x value for the rows of a block (m rows, probabilities P with stride ldp) that see each
