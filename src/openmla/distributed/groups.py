@@ -14,7 +14,7 @@ Bounded time, never a hang:
   ``all_reduce`` of one error flag and one fingerprint per rank, so a bad input on one rank makes
   every rank raise the same clear error, and ranks whose schedulers diverged are caught.
 
-A clean exit: when ``init_grid`` starts the default group it also ends it at interpreter exit
+A clean exit: when ``init_grid`` starts a gloo default group it also ends it at interpreter exit
 (``_end_at_exit``), so a script need not call ``destroy_process_group`` itself.
 """
 
@@ -131,7 +131,7 @@ def _default_backend() -> str:
 
 
 def _end_at_exit() -> None:
-    """Destroy the default group and give its worker threads the GIL once more, before finalizing.
+    """Destroy the gloo default group and give its worker threads the GIL once more, before finalizing.
 
     A gloo worker thread drops a finished collective's tensors after the caller has returned, and
     that drop takes the GIL; if the interpreter is already finalizing, the thread is killed inside
@@ -170,7 +170,8 @@ def init_grid(
         if backend == "nccl" and "LOCAL_RANK" in os.environ:  # one GPU per process, as torchrun numbers them
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=timeout)
-        atexit.register(_end_at_exit)
+        if backend == "gloo":
+            atexit.register(_end_at_exit)
     world = dist.get_world_size()
     ranks = tuple(range(world)) if ranks is None else tuple(int(r) for r in ranks)
     if len(ranks) != tp * cp:
