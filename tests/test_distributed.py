@@ -17,6 +17,7 @@ import datetime
 import io
 import json
 import os
+import socket
 import time
 import traceback
 
@@ -513,3 +514,32 @@ def test_python_dash_m_openmla_tools_is_the_cli(monkeypatch, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--tp" in out and "--cp" in out and "--timeout" in out
+
+
+def test_a_gloo_group_init_grid_started_ends_before_finalizing(tmp_path):
+    """``init_grid`` destroys the gloo group it started at exit (before Python finalizes, where a
+    gloo worker dropping a finished collective's tensors aborts the process): an exit handler
+    registered before it runs after it and finds no group; a group started by the caller is left."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, sys
+        import torch, torch.distributed as dist
+        from openmla.distributed import init_grid
+        atexit.register(lambda: print("at exit, initialized:", dist.is_initialized(), flush=True))
+        if sys.argv[1] == "mine":
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+        grid = init_grid(1, 1, backend="gloo")
+        dist.all_reduce(torch.ones(3))
+    """))
+    for who in ("grid", "mine"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        run = subprocess.run([sys.executable, str(script), who, str(port)], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert f"at exit, initialized: {who == 'mine'}" in run.stdout, run.stdout + run.stderr[-2000:]
