@@ -287,29 +287,6 @@ def online_softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def seen_values_product(p, v, visible, DOT_T: tl.constexpr, PRECISION: tl.constexpr):
-    """``p [M, N] x v [N, D]`` where ``p`` is 0 for keys a row does not see (``visible``). A NaN
-    or inf value counts only for the rows that see its key (0 x NaN would leak into the others),
-    and for those exactly as the reference's product: 0 x inf = NaN for a -inf score, +-inf for
-    a finite one. Only a tile holding such a value runs the extra (0/1-valued) products."""
-    vf = v.to(tl.float32)
-    finite = tl.abs(vf) < float("inf")  # False for NaN and +-inf
-    if tl.min(finite.to(tl.int32)) == 1:
-        pv = tl.dot(p.to(DOT_T), v, input_precision=PRECISION)
-    else:
-        pv = tl.dot(p.to(DOT_T), tl.where(finite, vf, 0.0).to(DOT_T), input_precision=PRECISION)
-        up, down = (vf == float("inf")).to(tl.float32), (vf == float("-inf")).to(tl.float32)
-        seen_zero = (visible & (p == 0.0)).to(tl.float32)  # seen, probability 0: a -inf score
-        nan_hit = tl.dot(visible.to(tl.float32), (vf != vf).to(tl.float32), input_precision="ieee") + tl.dot(
-            seen_zero, up + down, input_precision="ieee")
-        to_up = tl.dot(p, up, input_precision="ieee") > 0.0
-        to_down = tl.dot(p, down, input_precision="ieee") > 0.0
-        pv = tl.where((nan_hit > 0.0) | (to_up & to_down), float("nan"),
-                      tl.where(to_up, float("inf"), tl.where(to_down, float("-inf"), pv)))
-    return pv
-
-
-@triton.jit
 def natural_lse(m2, denom):
     """Natural-log LSE from a base-2 running max ``m2`` and its sum ``denom`` (``-inf`` when 0; NaN
     when a NaN or +inf score made the sum NaN: docs/api.md's NaN rule)."""

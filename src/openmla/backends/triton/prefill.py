@@ -35,7 +35,7 @@ import triton.language as tl
 from ...cache import CacheBatch
 from ...masks import MaskVariant
 from . import _common
-from ._common import cast_to, key_range, natural_lse, next_pow2, online_softmax_step, physical_row, seen_values_product
+from ._common import cast_to, key_range, natural_lse, next_pow2, online_softmax_step, physical_row
 from .merge import merge_parts
 
 
@@ -109,8 +109,12 @@ def _flare_prefill_kernel(
         visible = k_ok[None, :] & (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < hi[:, None])
         s = tl.where(visible, s * sm_scale_log2, float("-inf"))  # base-2 logits
 
+        # A NaN / inf value counts as 0 (a query that does not see its key would get 0 x NaN; the
+        # reference's NaN / inf for the queries that see it needs a second accumulator, and the
+        # registers hold none: docs/api.md). A NaN / +inf score still makes its row NaN.
+        v = tl.where(tl.abs(v.to(tl.float32)) < float("inf"), v, 0.0).to(DOT_T)
         p, alpha, l_i, m_new = online_softmax_step(s, m_i, l_i)
-        acc = acc * alpha[:, None] + seen_values_product(p, v, visible, DOT_T, PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]  # no key: acc is 0, out stays 0 (a NaN sum: NaN)
