@@ -26,7 +26,10 @@ tokens + the new one: S + 1 keys, K = 576, V = K's first 512 as llama.cpp runs M
 | q8_0 (int8, a scale per 32 values) | fp8_e4m3 (one scale per layer) | no: the nearest 8-bit format openmla has |
 
 openmla runs ``plan.decode`` on a plan made once (an engine's per-layer call: the kernel, its
-wrappers and output allocation), absorbed queries in float32 (ggml's queries are float32 too),
+wrappers and output allocation), absorbed queries in the type ggml multiplies them in: ggml takes
+float32 queries and converts them to K's dot type (``q_to_vec_dot`` in ggml-cpu's flash attention:
+f16, bf16, q8_0), so openmla gets float16 / bfloat16 queries for those caches (a float32 query is
+multiplied in float32 by openmla, never rounded: half bf16's speed) and float32 for f32 and fp8,
 page size 64, pages in a shuffled order. Each round times ggml (a fresh process, ``--reps``
 repetitions after a warm-up) then openmla (``--reps`` repetitions) in alternating order; the
 figure is the best repetition of all rounds, wall time with ``--threads`` threads and process
@@ -102,6 +105,8 @@ def openmla_step(kind: str, H: int, B: int, S: int, seed: int = 0):
     cache.commit(cache.prepare(ids, [S] * B))
     batch = cache.prepare(ids, [1] * B)
     q = torch.randn(B, H, L + R, generator=g) * 0.3
+    if fmt in (torch.float16, torch.bfloat16):
+        q = q.to(fmt)  # as ggml rounds its float32 queries to K's type
     step = openmla.plan(batch, scale=192 ** -0.5, backend="cpu")
     return lambda: step.decode(q, 0, kv_lora_rank=L)
 
